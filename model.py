@@ -1,0 +1,301 @@
+"""
+GPT-NeoX (the architecture of EleutherAI's Pythia models) in one file, with the two optional changes to every
+attention block from arXiv 2604.10791:
+
+  pre-projection   x_tilde = x_hat + W_down · SiLU(W_up · x_hat)     (Q, K, V are computed from x_tilde)
+  content skip     out     = x + attn_out + W_skip · x_tilde (+ mlp_out)
+
+and in-house LoRA on the fused QKV and attention output projections, as the paper's comparison needs.
+Everything here is plain PyTorch; no I/O. Loading Hugging Face weights lives in load_pythia.py.
+"""
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Names that mark the parameters this project adds on top of a GPT-NeoX base.
+NEW_PARAM_MARKERS = ("w_up", "w_down", "w_skip", "lora_a", "lora_b")
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50304
+    block_size: int = 2048  # longest sequence the model handles (Pythia's max_position_embeddings)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    intermediate_size: int = 0  # MLP width; 0 means 4 * n_embd
+    rotary_pct: float = 0.25  # share of each head's dims that RoPE rotates (Pythia: the first 25%)
+    rotary_base: float = 10000.0
+    parallel_residual: bool = True  # Pythia: x + attn(LN1 x) + mlp(LN2 x)
+    layer_norm_eps: float = 1e-5
+    bias: bool = True  # biases on every Linear of the base model (Pythia has them)
+    # --- research switches; each works on its own ---
+    preproj: bool = False
+    preproj_expansion: float = 1.25
+    skip: bool = False
+    lora_rank: int = 0
+    lora_alpha: float = 0.0  # 0 means 2 * lora_rank (the paper's alpha = 2r)
+    preproj_init_std: float = 0.01
+    skip_init_std: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.intermediate_size == 0:
+            self.intermediate_size = 4 * self.n_embd
+        if self.lora_rank and not self.lora_alpha:
+            self.lora_alpha = 2.0 * self.lora_rank
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def rotary_ndims(self) -> int:
+        return int(self.head_dim * self.rotary_pct)
+
+    @property
+    def preproj_dim(self) -> int:
+        return int(self.n_embd * self.preproj_expansion)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class LoRALinear(nn.Linear):
+    """A Linear layer plus a low-rank update: y = W x + b + (alpha / r) · B A x, with B starting at zero."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, rank: int, alpha: float):
+        super().__init__(in_features, out_features, bias=bias)
+        self.rank, self.scaling = rank, alpha / rank if rank else 0.0
+        if rank:
+            self.lora_a = nn.Parameter(torch.empty(rank, in_features))
+            self.lora_b = nn.Parameter(torch.zeros(out_features, rank))
+            nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # peft's default for A
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.rank:
+            y = y + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling
+        return y
+
+
+class KVCache:
+    """Keys and values of every layer for generation, preallocated to max_len positions.
+
+    It holds only K and V, whose shapes ([B, n_head, T, head_dim]) do not depend on the research switches:
+    the pre-projection changes what K and V are computed from, not their size.
+    """
+
+    def __init__(self, config: GPTConfig, batch: int, max_len: int, device, dtype: torch.dtype):
+        shape = (config.n_layer, batch, config.n_head, max_len, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = 0  # number of positions already written
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first cos.shape[-1] dims of each head (rotate-half style); the rest pass through."""
+    n = cos.shape[-1]
+    x_rot, x_pass = x[..., :n], x[..., n:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        d, r, a = config.n_embd, config.lora_rank, config.lora_alpha
+        # Fused projection in Hugging Face's layout: rows grouped per head as [q | k | v].
+        self.qkv = LoRALinear(d, 3 * d, config.bias, r, a)
+        self.proj = LoRALinear(d, d, config.bias, r, a)
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        B, T, C = x.shape
+        qkv = self.qkv(x).view(B, T, self.n_head, 3 * self.head_dim).transpose(1, 2)
+        q, k, v = qkv.chunk(3, dim=-1)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is None or cache.pos == 0:
+            mask, causal = None, True
+        else:  # new queries at positions pos..pos+T-1 see every cached key up to their own position
+            mask = torch.ones(T, cache.pos + T, dtype=torch.bool, device=x.device).tril(cache.pos)
+            causal = False
+        if cache is not None:
+            end = cache.pos + T
+            cache.k[layer, :, :, cache.pos:end] = k
+            cache.v[layer, :, :, cache.pos:end] = v
+            k, v = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))  # exact (erf) GELU, as Pythia
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        d = config.n_embd
+        self.parallel = config.parallel_residual
+        self.ln_1 = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.attn = CausalSelfAttention(config)
+        self.mlp = MLP(config)
+        if config.preproj:  # position-agnostic: runs on the normed input, before RoPE
+            self.w_up = nn.Linear(d, config.preproj_dim, bias=False)
+            self.w_down = nn.Linear(config.preproj_dim, d, bias=False)
+        if config.skip:
+            self.w_skip = nn.Linear(d, d, bias=False)
+
+    def pre_projection(self, x_hat: torch.Tensor) -> torch.Tensor:
+        """x_tilde = x_hat + W_down · SiLU(W_up · x_hat); the identity when pre-projection is off."""
+        if not hasattr(self, "w_up"):
+            return x_hat
+        return x_hat + self.w_down(F.silu(self.w_up(x_hat)))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x_hat = self.ln_1(x)
+        x_tilde = self.pre_projection(x_hat)
+        h = x + self.attn(x_tilde, cos, sin, cache, layer)
+        if hasattr(self, "w_skip"):  # content skip: x_tilde reaches the residual without attention
+            h = h + self.w_skip(x_tilde)
+        # Parallel: the MLP reads the block input; sequential: it reads the attention output.
+        return h + self.mlp(self.ln_2(x if self.parallel else h))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # untied, as in Pythia
+        n = config.rotary_ndims
+        inv_freq = 1.0 / (config.rotary_base ** (torch.arange(0, n, 2, dtype=torch.float32) / n))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.apply(self._init_weights)
+        self.init_new_params()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Initialisation for training from scratch (GPT-2 style); loaded models overwrite it."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, Block):  # residual projections shrink with depth
+            for proj in (module.attn.proj, module.mlp.proj):
+                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+
+    @torch.no_grad()
+    def init_new_params(self) -> None:
+        """The paper's initialisation: W_up, W_down ~ N(0, 0.01); W_skip ~ N(0, 1e-4); LoRA B = 0."""
+        c = self.config
+        for block in self.blocks:
+            if c.preproj:
+                nn.init.normal_(block.w_up.weight, std=c.preproj_init_std)
+                nn.init.normal_(block.w_down.weight, std=c.preproj_init_std)
+            if c.skip:
+                nn.init.normal_(block.w_skip.weight, std=c.skip_init_std)
+            for lin in (block.attn.qkv, block.attn.proj):
+                if lin.rank:
+                    nn.init.kaiming_uniform_(lin.lora_a, a=math.sqrt(5))
+                    nn.init.zeros_(lin.lora_b)
+
+    def rotary(self, start: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, start + T, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits for every position ([B, T, V]) and, given targets, the mean cross-entropy (-100 = ignore)."""
+        B, T = idx.shape
+        start = cache.pos if cache is not None else 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
+        x = self.wte(idx)
+        cos, sin = self.rotary(start, T, x.dtype)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, cache, i)
+        if cache is not None:
+            cache.pos += T
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, use_cache: bool = True,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Continue idx ([B, T]) by max_new_tokens tokens. temperature 0 means greedy."""
+        T = idx.size(1)
+        if T + max_new_tokens > self.config.block_size:
+            raise ValueError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds block_size="
+                             f"{self.config.block_size}; shorten the prompt or ask for fewer tokens")
+        cache = None
+        if use_cache:
+            cache = KVCache(self.config, idx.size(0), T + max_new_tokens, idx.device, self.wte.weight.dtype)
+        step_input = idx
+        for _ in range(max_new_tokens):
+            logits, _ = self(step_input if use_cache else idx, cache=cache)
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat((idx, nxt), dim=1)
+            step_input = nxt
+        return idx
+
+    # --- bookkeeping for the frozen probe ---
+
+    @staticmethod
+    def is_new(name: str) -> bool:
+        """True for the parameters this project adds (pre-projection, skip, LoRA), False for the base."""
+        return any(part in NEW_PARAM_MARKERS for part in name.split("."))
+
+    def num_params(self, which: str = "all") -> int:
+        """Parameter count: which = 'all', 'trainable', 'new' (added by the switches) or 'base'."""
+        keep = {"all": lambda n, p: True, "trainable": lambda n, p: p.requires_grad,
+                "new": lambda n, p: self.is_new(n), "base": lambda n, p: not self.is_new(n)}[which]
+        return sum(p.numel() for n, p in self.named_parameters() if keep(n, p))
+
+    def freeze_base(self) -> None:
+        """The frozen probe: only the new parameters keep requires_grad."""
+        for n, p in self.named_parameters():
+            p.requires_grad_(self.is_new(n))
+
+    def new_state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.named_parameters() if self.is_new(n)}
+
+    def base_state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in self.state_dict().items() if not self.is_new(n)}

@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny random Pythia-shaped Hugging Face checkpoints and the offline data mirror."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def make_hf_model(rotary_pct: float = 0.25, parallel: bool = True, vocab: int = 512, d: int = 64,
+                  n_layer: int = 2, n_head: int = 4, max_pos: int = 128, seed: int = 0):
+    """A transformers GPTNeoXForCausalLM with every weight random (biases and norms included), eager attention."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=n_layer, num_attention_heads=n_head,
+                        intermediate_size=4 * d, rotary_pct=rotary_pct, use_parallel_residual=parallel,
+                        max_position_embeddings=max_pos, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = GPTNeoXForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name or "layer_norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("weight") else 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.05)
+    return model
+
+
+def hub_names(state: dict) -> dict:
+    """transformers 5 calls the output layer `lm_head` in memory; the Hub's files call it `embed_out`."""
+    return {("embed_out.weight" if k == "lm_head.weight" else k): v for k, v in state.items()}
+
+
+def save_old_style(model, folder) -> str:
+    """Write a checkpoint as older Pythia revisions ship it: pytorch_model.bin with the attention buffers and a
+    config.json in the old `rotary_pct` / `rotary_emb_base` style (transformers 5 only writes safetensors)."""
+    os.makedirs(folder, exist_ok=True)
+    c = model.config
+    state = hub_names(model.state_dict())
+    for i in range(c.num_hidden_layers):  # the buffers old checkpoints carry, which loaders must ignore
+        state[f"gpt_neox.layers.{i}.attention.bias"] = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+        state[f"gpt_neox.layers.{i}.attention.masked_bias"] = torch.tensor(-1e9)
+        state[f"gpt_neox.layers.{i}.attention.rotary_emb.inv_freq"] = torch.ones(4)
+    torch.save(state, os.path.join(folder, "pytorch_model.bin"))
+    old = {"model_type": "gpt_neox", "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+           "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+           "intermediate_size": c.intermediate_size, "hidden_act": "gelu",
+           "rotary_pct": c.rope_parameters["partial_rotary_factor"], "rotary_emb_base": 10000,
+           "max_position_embeddings": c.max_position_embeddings, "layer_norm_eps": 1e-5,
+           "use_parallel_residual": c.use_parallel_residual, "tie_word_embeddings": False}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(old, f)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """A tiny random Pythia-shaped checkpoint in the Hub's file format (config.json + model.safetensors)."""
+    folder = tmp_path_factory.mktemp("tiny_pythia")
+    model = make_hf_model()
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def mirror():
+    """The offline data mirror (PREPROJ_MIRROR); tests that read real data need it."""
+    path = os.environ.get("PREPROJ_MIRROR")
+    if not path or not os.path.isdir(path):
+        pytest.fail("set PREPROJ_MIRROR to the offline data mirror folder (see README, 'Data')")
+    return path

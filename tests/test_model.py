@@ -1,0 +1,202 @@
+"""The model against Hugging Face transformers and peft, parameter counts, the K/V cache, and bad inputs."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import hub_names, make_hf_model, save_old_style
+
+from load_pythia import load_pythia, load_tokenizer
+from model import GPT, GPTConfig, KVCache
+
+PARITY_TOL = 1e-4  # max |logits difference| against transformers, fp32
+SWITCH_TOL = 0.05  # max |logits difference| right after switching on preproj + skip (inits 0.01 / 1e-4)
+
+
+def batch(vocab=512, B=3, T=17, seed=1):
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("rotary_pct,parallel,fmt", [
+    (0.25, True, "safetensors"), (1.0, True, "safetensors"), (0.25, False, "safetensors"),
+    (1.0, False, "bin"), (0.25, True, "bin"),
+])
+def test_logit_parity_with_transformers(tmp_path, rotary_pct, parallel, fmt):
+    hf = make_hf_model(rotary_pct=rotary_pct, parallel=parallel)
+    folder = tmp_path / "ckpt"
+    hf.save_pretrained(folder) if fmt == "safetensors" else save_old_style(hf, folder)
+    ours = load_pythia(str(folder))
+    assert ours.config.rotary_pct == rotary_pct and ours.config.parallel_residual == parallel
+    x = batch()
+    with torch.no_grad():
+        diff = (ours(x)[0] - hf(x).logits).abs().max().item()
+    print(f"rotary_pct={rotary_pct} parallel={parallel} {fmt}: max |dlogits| = {diff:.2e}")
+    assert diff <= PARITY_TOL
+
+
+def test_switches_start_near_the_base(tiny_hf_dir):
+    x = batch()
+    base = load_pythia(tiny_hf_dir)
+    torch.manual_seed(0)
+    new = load_pythia(tiny_hf_dir, preproj=True, skip=True)
+    with torch.no_grad():
+        diff = (new(x)[0] - base(x)[0]).abs().max().item()
+    assert 0 < diff <= SWITCH_TOL
+    # the base weights are untouched by the switches
+    for k, v in base.state_dict().items():
+        assert torch.equal(v, new.state_dict()[k])
+
+
+def test_switches_combine_independently():
+    torch.manual_seed(0)
+    x = batch(vocab=128)
+    for preproj in (False, True):
+        for skip in (False, True):
+            for r in (0, 4):
+                cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=32,
+                                preproj=preproj, skip=skip, lora_rank=r)
+                m = GPT(cfg)
+                logits, loss = m(x, x)
+                assert logits.shape == (3, 17, 128) and torch.isfinite(loss)
+                assert hasattr(m.blocks[0], "w_up") == preproj and hasattr(m.blocks[0], "w_skip") == skip
+
+
+def test_skip_without_preproj_reads_x_hat():
+    """With skip alone, W_skip reads the layer-norm output: out = x + attn(x_hat) + W_skip x_hat + mlp."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16, skip=True)
+    m = GPT(cfg).eval()
+    with torch.no_grad():
+        m.blocks[0].w_skip.weight.copy_(torch.eye(16))
+        x = m.wte(batch(vocab=64, B=1, T=5))
+        cos, sin = m.rotary(0, 5, x.dtype)
+        blk = m.blocks[0]
+        x_hat = blk.ln_1(x)
+        expected = x + blk.attn(x_hat, cos, sin) + x_hat + blk.mlp(blk.ln_2(x))
+        assert torch.allclose(blk(x, cos, sin), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,layers,heads,d,base,new", [
+    ("pythia-160m", 12, 12, 768, 162_322_944, 24_772_608),
+    ("pythia-410m", 24, 16, 1024, 405_334_016, 88_080_384),
+])
+def test_parameter_counts_from_config(name, layers, heads, d, base, new):
+    cfg = GPTConfig(vocab_size=50304, n_layer=layers, n_head=heads, n_embd=d, preproj=True, skip=True)
+    with torch.device("meta"):  # counts from the config alone, no memory
+        m = GPT(cfg)
+    assert m.num_params("base") == base
+    assert m.num_params("new") == new
+    assert m.num_params("all") == base + new
+    m.freeze_base()
+    assert m.num_params("trainable") == new
+
+
+def test_lora_parity_with_peft():
+    from peft import LoraConfig, get_peft_model
+
+    hf = make_hf_model()
+    r, alpha = 4, 8
+    peft_model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=alpha, target_modules=["query_key_value", "dense"],
+                                               lora_dropout=0.0, init_lora_weights=False)).eval()
+    ours = GPT(GPTConfig(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=64, lora_rank=r,
+                         lora_alpha=alpha)).eval()
+    from load_pythia import map_state_dict
+    base = hub_names({k.replace("base_model.model.", "").replace(".base_layer", ""): v
+                      for k, v in peft_model.state_dict().items() if "lora_" not in k})
+    state = map_state_dict(base, set(ours.base_state_dict()))
+    for i in range(2):
+        for hf_name, our_name in (("query_key_value", "qkv"), ("dense", "proj")):
+            pre = f"base_model.model.gpt_neox.layers.{i}.attention.{hf_name}"
+            state[f"blocks.{i}.attn.{our_name}.lora_a"] = peft_model.state_dict()[f"{pre}.lora_A.default.weight"]
+            state[f"blocks.{i}.attn.{our_name}.lora_b"] = peft_model.state_dict()[f"{pre}.lora_B.default.weight"]
+    ours.load_state_dict(state)
+    assert ours.num_params("new") == sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
+    x = batch()
+    with torch.no_grad():
+        diff = (ours(x)[0] - peft_model(x).logits).abs().max().item()
+    assert diff <= PARITY_TOL
+    with torch.no_grad():  # and LoRA really does something (B is not zero here)
+        ours_off = GPT(GPTConfig(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=64)).eval()
+        ours_off.load_state_dict(ours.base_state_dict())
+        assert (ours(x)[0] - ours_off(x)[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("preproj,skip", [(False, False), (True, True)])
+def test_kv_cache_generation_matches_full_recompute(preproj, skip):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=128, block_size=64, n_layer=2, n_head=4, n_embd=32, preproj=preproj, skip=skip)
+    m = GPT(cfg).eval()
+    if skip:  # make the switches matter
+        for b in m.blocks:
+            torch.nn.init.normal_(b.w_skip.weight, std=0.1)
+    prompt = batch(vocab=128, B=2, T=7)
+    with_cache = m.generate(prompt, 20, temperature=0, use_cache=True)
+    without = m.generate(prompt, 20, temperature=0, use_cache=False)
+    assert torch.equal(with_cache, without)
+    # logits: prefill then one token at a time with the cache == one pass over the whole sequence
+    cache = KVCache(cfg, 2, 27, "cpu", torch.float32)
+    with torch.no_grad():
+        first, _ = m(with_cache[:, :7], cache=cache)
+        steps = [first] + [m(with_cache[:, t:t + 1], cache=cache)[0] for t in range(7, 27)]
+        full, _ = m(with_cache)
+    assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-5
+    # a chunk of several tokens after a prefill also works (mask with an offset)
+    cache = KVCache(cfg, 2, 27, "cpu", torch.float32)
+    with torch.no_grad():
+        m(with_cache[:, :7], cache=cache)
+        chunk, _ = m(with_cache[:, 7:15], cache=cache)
+    assert (chunk - full[:, 7:15]).abs().max() < 1e-5
+
+
+def test_kv_cache_bytes_do_not_depend_on_switches():
+    sizes = set()
+    for preproj, skip in ((False, False), (True, False), (False, True), (True, True)):
+        cfg = GPTConfig(vocab_size=128, block_size=64, n_layer=3, n_head=4, n_embd=32, preproj=preproj, skip=skip)
+        sizes.add(KVCache(cfg, 2, 64, "cpu", torch.float32).nbytes())
+    assert sizes == {2 * 3 * 2 * 4 * 64 * 8 * 4}
+
+
+def test_pythia_tokenizer_known_ids(mirror):
+    tok = load_tokenizer(os.path.join(mirror, "tokenizers", "20B_tokenizer.json"))
+    assert tok.encode("Hello world").ids == [12092, 1533]
+    assert tok.encode(" leading space").ids == [4283, 2317]
+    assert tok.get_vocab_size() == 50277
+
+
+# --- bad inputs ---
+
+def test_non_gpt_neox_config_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(ValueError, match="model_type='llama'"):
+        load_pythia(str(tmp_path))
+
+
+def test_missing_weight_file(tmp_path, tiny_hf_dir):
+    (tmp_path / "config.json").write_text(open(os.path.join(tiny_hf_dir, "config.json")).read())
+    with pytest.raises(FileNotFoundError, match="no model.safetensors or pytorch_model.bin"):
+        load_pythia(str(tmp_path))
+
+
+@pytest.mark.parametrize("change", ["extra", "missing"])
+def test_state_dict_mismatch(tmp_path, change):
+    hf = make_hf_model()
+    state = hub_names(hf.state_dict())
+    if change == "extra":
+        state["gpt_neox.layers.0.attention.surprise.weight"] = torch.zeros(2)
+    else:
+        del state["gpt_neox.layers.1.mlp.dense_4h_to_h.bias"]
+    hf.save_pretrained(tmp_path)
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    expected = "surprise" if change == "extra" else "blocks.1.mlp.proj.bias"
+    with pytest.raises(ValueError, match=expected):
+        load_pythia(str(tmp_path))
+
+
+def test_prompt_longer_than_block_size():
+    m = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    with pytest.raises(ValueError, match="exceeds block_size=16"):
+        m.generate(torch.zeros(1, 17, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match="longer than block_size=16"):
+        m(torch.zeros(1, 17, dtype=torch.long))
