@@ -1,0 +1,117 @@
+"""
+Where the project's data comes from: an offline mirror folder, or the public homes when online.
+
+One setting names the mirror: the environment variable PREPROJ_MIRROR (or the `--mirror` flag of every script).
+With a mirror, files are read from it and nothing is downloaded; without one, files are downloaded once into
+data/cache/downloads. Files that are byte-identical upstream are pinned by sha256 and checked either way.
+"""
+
+import hashlib
+import io
+import os
+import urllib.request
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+MIRROR_ENV = "PREPROJ_MIRROR"
+CACHE = Path(__file__).resolve().parent / "cache"
+NLTK = "https://raw.githubusercontent.com/nltk/nltk_data/gh-pages/packages/corpora"
+
+
+class DataError(Exception):
+    """A data file is missing, corrupt or malformed; the message says which and what to do."""
+
+
+@dataclass(frozen=True)
+class Source:
+    url: str
+    member: str = ""  # path inside a zip archive, when the upstream file is an archive
+    sha256: str = ""  # pinned only where the mirror's file is byte-identical to the upstream one
+
+
+SOURCES = {
+    "lambada/lambada_test.jsonl": Source(
+        "https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl",
+        sha256="4aa8d02cd17c719165fc8a7887fddd641f43fcafa4b1c806ca8abc31fabdb226"),
+    "wikitext/wiki.test.raw": Source(
+        "https://wikitext.smerity.com/wikitext-2-raw-v1.zip", member="wikitext-2-raw/wiki.test.raw",
+        sha256="173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08"),
+    "hellaswag/hellaswag_val.jsonl": Source(
+        "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"),
+    "tokenizers/20B_tokenizer.json": Source("https://huggingface.co/EleutherAI/pythia-160m/resolve/main/tokenizer.json"),
+    "corpus/tinyshakespeare.txt": Source(
+        "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"),
+    "corpus/kjv.txt": Source("https://www.gutenberg.org/cache/epub/10/pg10.txt"),
+}
+# Whole folders of the corpus come from NLTK's data packages (zip archives).
+FOLDERS = {name: f"{NLTK}/{name}.zip" for name in ("gutenberg", "inaugural", "state_union")}
+
+
+def mirror_dir(mirror: str | None = None) -> Path | None:
+    path = mirror or os.environ.get(MIRROR_ENV)
+    if not path:
+        return None
+    if not os.path.isdir(path):
+        raise DataError(f"mirror folder {path} does not exist; point {MIRROR_ENV} or --mirror at the data mirror")
+    return Path(path)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _download(url: str) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return r.read()
+    except OSError as e:
+        raise DataError(f"could not download {url} ({e}); offline, set {MIRROR_ENV} to a data mirror") from e
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def fetch(relpath: str, mirror: str | None = None) -> Path:
+    """Local path of a data file named by its path in the mirror layout (e.g. 'lambada/lambada_test.jsonl')."""
+    src = SOURCES[relpath]
+    root = mirror_dir(mirror)
+    if root is not None:
+        path = root / relpath
+        if not path.is_file():
+            raise DataError(f"{relpath} is missing from the mirror folder {root}; get it from {src.url}")
+    else:
+        path = CACHE / "downloads" / relpath
+        if not path.is_file():
+            data = _download(src.url)
+            if src.member:
+                data = zipfile.ZipFile(io.BytesIO(data)).read(src.member)
+            _write_atomic(path, data)
+    if src.sha256 and sha256(path) != src.sha256:
+        raise DataError(f"{path} has the wrong sha256 (expected {src.sha256[:12]}...); "
+                        f"it is corrupt or another version: replace it with the file from {src.url}")
+    return path
+
+
+def fetch_folder(name: str, mirror: str | None = None) -> list[Path]:
+    """The .txt files of a corpus folder ('gutenberg', 'inaugural', 'state_union'), sorted by name."""
+    root = mirror_dir(mirror)
+    folder = (root / "corpus" / name) if root is not None else CACHE / "downloads" / "corpus" / name
+    if root is None and not folder.is_dir():
+        with zipfile.ZipFile(io.BytesIO(_download(FOLDERS[name]))) as z:
+            for member in z.namelist():
+                if member.endswith(".txt") and "README" not in member:
+                    text = z.read(member).decode("utf-8", errors="replace")  # a few upstream files are Latin-1
+                    _write_atomic(folder / os.path.basename(member), text.encode("utf-8"))
+    files = sorted(folder.glob("*.txt")) if folder.is_dir() else []
+    if not files:
+        raise DataError(f"corpus/{name}/ is missing or empty in {folder.parent.parent}; get it from {FOLDERS[name]}")
+    return files
