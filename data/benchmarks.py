@@ -1,0 +1,161 @@
+"""
+The evaluation benchmarks, read from their files (mirror or download, see data/sources.py) and prepared the way
+EleutherAI's lm-evaluation-harness prepares them, so that our numbers compare with published Pythia numbers.
+
+  LAMBADA    lambada/lambada_test.jsonl      OpenAI's version (lm-eval's `lambada_openai`), 5,153 passages
+  WikiText   wikitext/wiki.test.raw          WikiText-2 raw test split, cut into Wikipedia pages
+  HellaSwag  hellaswag/hellaswag_val.jsonl   validation split, 10,042 items
+
+Each reader returns plain Python data; scoring lives in eval_lambada.py.
+"""
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from data.sources import DataError, fetch
+
+LAMBADA = "lambada/lambada_test.jsonl"
+WIKITEXT = "wikitext/wiki.test.raw"
+HELLASWAG = "hellaswag/hellaswag_val.jsonl"
+
+
+def read_jsonl(path: Path) -> list[tuple[int, dict]]:
+    """(line number, object) for every non-blank line; a bad line is a DataError naming the file and line."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: malformed JSON line ({e.msg}); replace the file") from e
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            rows.append((lineno, row))
+    return rows
+
+
+def _field(row: dict, key: str, kind: type, path: Path, lineno: int):
+    if not isinstance(row.get(key), kind):
+        raise DataError(f"{path}:{lineno}: no {kind.__name__} field {key!r}; the file has another schema")
+    return row[key]
+
+
+# --- LAMBADA ---
+
+def lambada(mirror: str | None = None) -> list[tuple[str, str]]:
+    """(context, target) per passage: the target is the last space-separated word with its leading space.
+
+    As lm-eval's lambada_openai: context = all words but the last joined by spaces, target = " " + last word.
+    A few targets contain a newline; they stay as they are.
+    """
+    path = fetch(LAMBADA, mirror)
+    items = []
+    for lineno, row in read_jsonl(path):
+        context, word = _field(row, "text", str, path, lineno).rsplit(" ", 1)
+        items.append((context, " " + word))
+    return items
+
+
+# --- WikiText ---
+
+def wikitext_pages(mirror: str | None = None) -> list[str]:
+    """The Wikipedia pages of the WikiText-2 raw test split, each with WikiText's own spacing (" @-@ ", " , ").
+
+    lm-eval's `wikitext` task reads EleutherAI/wikitext_document_level (its `page` field), which that dataset
+    builds from this very file: a new page starts at every top-level heading line " = Title = " (second-level
+    headings " = = Section = = " stay inside their page), a page is its lines joined by "\\n", and blank pieces
+    before the first heading are dropped. We split the same way, so our pages are those `page` strings
+    (62 pages for the test split).
+    """
+    path = fetch(WIKITEXT, mirror)
+    pages, lines = [], []
+    for line in path.read_text(encoding="utf-8").split("\n"):
+        if _is_title(line):
+            if "\n".join(lines).strip():
+                pages.append("\n".join(lines))
+            lines = []
+        lines.append(line)
+    pages.append("\n".join(lines))
+    return pages
+
+
+def _is_title(line: str) -> bool:
+    """A top-level heading " = Title = "; lower levels read " = = Section = = " and do not count."""
+    s = line.replace("= = =", "===").replace("= =", "==").strip()
+    return s.startswith("= ") and s.endswith(" =")
+
+
+def wikitext_detokenize(text: str) -> str:
+    """Undo WikiText's tokenisation as lm-eval's wikitext task does, so the model reads ordinary text.
+
+    The rules and their order are lm-eval's (preprocess_wikitext.wikitext_detokenizer); word and byte counts
+    for the metrics are still taken on the original page.
+    """
+    # contractions and possessives
+    text = text.replace("s '", "s'")
+    text = re.sub(r"/' [0-9]/", r"/'[0-9]/", text)  # lm-eval's rule as written (the slashes are literal)
+    # numbers: 1 @,@ 000 -> 1,000
+    for sep in "-,.":
+        text = text.replace(f" @{sep}@ ", sep)
+    # punctuation that WikiText detached on the left
+    for p in ":;.!?,":
+        text = text.replace(f" {p} ", f"{p} ")
+    # spaces inside brackets and quotes
+    text = re.sub(r"\(\s*([^\)]*?)\s*\)", r"(\1)", text)
+    text = re.sub(r"\[\s*([^\]]*?)\s*\]", r"[\1]", text)
+    text = re.sub(r"{\s*([^}]*?)\s*}", r"{\1}", text)
+    text = re.sub(r"\"\s*([^\"]*?)\s*\"", r'"\1"', text)
+    text = re.sub(r"'\s*([^']*?)\s*'", r"'\1'", text)
+    # headings, degrees, line edges, numbers masked as N, possessive 's
+    text = text.replace("= = = =", "====").replace("= = =", "===").replace("= =", "==")
+    text = text.replace(" \N{DEGREE SIGN} ", "\N{DEGREE SIGN}")
+    text = text.replace(" \n", "\n").replace("\n ", "\n")
+    text = text.replace(" N ", " 1 ")
+    return text.replace(" 's", "'s")
+
+
+def wikitext_paragraphs(mirror: str | None = None, min_chars: int = 50) -> list[str]:
+    """The paper's "PPL" text: single lines (paragraphs) of at least min_chars characters, stripped, raw spacing.
+
+    The paper used WikiText-103 *validation*; offline we only have the WikiText-2 (= WikiText-103) test split,
+    so the paper protocol scores these paragraphs instead and says so in its output.
+    """
+    lines = fetch(WIKITEXT, mirror).read_text(encoding="utf-8").split("\n")
+    return [s for s in (line.strip() for line in lines) if len(s) >= min_chars]
+
+
+# --- HellaSwag ---
+
+@dataclass(frozen=True)
+class HellaSwagItem:
+    query: str  # lm-eval: preprocess(activity_label + ": " + ctx_a + " " + ctx_b.capitalize())
+    choices: list[str]  # lm-eval: preprocess(ending), scored as " " + choice
+    gold: int
+    ctx: str  # the raw `ctx` field and endings, which the paper's protocol scores as ctx + " " + ending
+    endings: list[str]
+
+
+def hellaswag_preprocess(text: str) -> str:
+    """lm-eval's clean-up: strip, " [title]" -> ". ", drop WikiHow's "[...]" markers, collapse double spaces."""
+    text = text.strip().replace(" [title]", ". ")
+    text = re.sub(r"\[.*?\]", "", text)
+    return text.replace("  ", " ")
+
+
+def hellaswag(mirror: str | None = None) -> list[HellaSwagItem]:
+    path = fetch(HELLASWAG, mirror)
+    items = []
+    for lineno, row in read_jsonl(path):
+        ctx_a, ctx_b = _field(row, "ctx_a", str, path, lineno), _field(row, "ctx_b", str, path, lineno)
+        label, endings = _field(row, "activity_label", str, path, lineno), _field(row, "endings", list, path, lineno)
+        gold = row.get("label")
+        if str(gold) not in {str(i) for i in range(len(endings))}:
+            raise DataError(f"{path}:{lineno}: label {gold!r} does not name one of the {len(endings)} endings")
+        query = hellaswag_preprocess(f"{label}: {ctx_a} {ctx_b.capitalize()}")
+        items.append(HellaSwagItem(query, [hellaswag_preprocess(e) for e in endings], int(gold),
+                                   _field(row, "ctx", str, path, lineno), endings))
+    return items

@@ -1,0 +1,225 @@
+"""Evaluation: per-document parity with a plain transformers computation, known answers, and bad inputs."""
+
+import json
+import math
+import shutil
+import sys
+
+import pytest
+import torch
+from conftest import make_hf_model
+from tokenizers import Tokenizer
+
+import eval_lambada as ev
+from data import benchmarks
+from data.sources import DataError
+from load_pythia import load_pythia
+
+LP_TOL = 1e-4  # max |summed log-probability difference| per document against transformers, fp32 (measured ~1e-6)
+WINDOW = 64  # a short window, so that real LAMBADA passages get left-truncated and WikiText needs many windows
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, mirror):
+    """A tiny random Pythia-shaped model with Pythia's vocabulary and tokenizer:
+    (transformers model, our model, its folder, our tokenizer, transformers' tokenizer)."""
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny_pythia_50k")
+    hf = make_hf_model(vocab=50304, max_pos=WINDOW)
+    hf.save_pretrained(folder)
+    tok_file = f"{mirror}/tokenizers/20B_tokenizer.json"
+    shutil.copy(tok_file, folder / "tokenizer.json")
+    ours = load_pythia(str(folder))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=tok_file)
+    return hf, ours, str(folder), Tokenizer.from_file(tok_file), hf_tok
+
+
+# --- the independent reference: one example at a time, transformers model and tokenizer ---
+
+def hf_tokens(hf_tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    if context.rstrip() != context:
+        k = len(context) - len(context.rstrip())
+        context, continuation = context[:-k], context[-k:] + continuation
+    ctx = hf_tok(context, add_special_tokens=False)["input_ids"]
+    whole = hf_tok(context + continuation, add_special_tokens=False)["input_ids"]
+    return ctx, whole[len(ctx):]
+
+
+@torch.no_grad()
+def hf_score(hf, ids: list[int], n_cont: int) -> tuple[float, bool]:
+    """Summed log-probability of the last n_cont tokens of ids, and whether each is the argmax."""
+    ids = ids[-(WINDOW + 1):]
+    logp = torch.log_softmax(hf(torch.tensor([ids[:-1]])).logits[0].double(), dim=-1)[-n_cont:]
+    target = torch.tensor(ids[-n_cont:])
+    return logp.gather(1, target[:, None]).sum().item(), bool((logp.argmax(-1) == target).all())
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+# --- parity on the real files ---
+
+def test_lambada_parity(setup, mirror):
+    hf, ours, _, tok, hf_tok = setup
+    res = ev.lambada(ours, tok, limit=40, batch_size=8, mirror=mirror)
+    ref = []
+    for context, target in benchmarks.lambada(mirror)[:40]:
+        ctx, cont = hf_tokens(hf_tok, context, target)
+        ref.append(hf_score(hf, ctx + cont, len(cont)))
+    diff = max_diff([d["logprob"] for d in res["docs"]], [r[0] for r in ref])
+    print(f"LAMBADA x40: max |dlogprob| = {diff:.2e}, {res['truncated']} truncated")
+    assert diff <= LP_TOL
+    assert [d["greedy"] for d in res["docs"]] == [r[1] for r in ref]
+    assert res["truncated"] > 0  # the short window really cut contexts
+    losses = [-r[0] for r in ref]
+    assert math.isclose(res["metrics"]["ppl"]["value"], math.exp(sum(losses) / 40), rel_tol=1e-3)
+
+
+def test_wikitext_parity(setup, mirror):
+    """A whole page in disjoint windows: block [start, end) is predicted from ([EOT] + page)[end - W:end]."""
+    hf, ours, _, tok, hf_tok = setup
+    res = ev.wikitext(ours, tok, limit=1, batch_size=8, mirror=mirror)
+    page = benchmarks.wikitext_pages(mirror)[0]
+    tokens = hf_tok(benchmarks.wikitext_detokenize(page), add_special_tokens=False)["input_ids"]
+    seq, total = [0] + tokens, 0.0  # 0 = <|endoftext|>
+    for start in range(0, len(tokens), WINDOW):
+        end = min(start + WINDOW, len(tokens))
+        total += hf_score(hf, seq[max(0, end - WINDOW):end + 1], end - start)[0]
+    doc = res["docs"][0]
+    print(f"WikiText page 0 ({len(tokens)} tokens): |dlogprob| = {abs(doc['logprob'] - total):.2e}")
+    assert abs(doc["logprob"] - total) <= LP_TOL
+    words, n_bytes = len(page.split()), len(page.encode())
+    assert doc["bytes"] == n_bytes and abs(doc["words"] - words) <= 2  # re.split counts the empty edges
+    assert math.isclose(res["metrics"]["word_perplexity"]["value"], math.exp(-doc["logprob"] / doc["words"]))
+    assert math.isclose(res["metrics"]["bits_per_byte"]["value"], -doc["logprob"] / n_bytes / math.log(2))
+
+
+def test_hellaswag_parity(setup, mirror):
+    hf, ours, _, tok, hf_tok = setup
+    items = benchmarks.hellaswag(mirror)[:6]
+    for protocol in ev.PROTOCOLS:
+        res = ev.hellaswag(ours, tok, protocol, limit=6, batch_size=8, mirror=mirror)
+        for it, doc in zip(items, res["docs"]):
+            ctx_text, ends = (it.ctx, it.endings) if protocol == "paper" else (it.query, it.choices)
+            ref = []
+            for e in ends:
+                ctx, cont = hf_tokens(hf_tok, ctx_text, " " + e)
+                ref.append((hf_score(hf, ctx + cont, len(cont))[0], len(cont)))
+            assert max_diff(doc["logprobs"], [r[0] for r in ref]) <= LP_TOL
+            if protocol == "paper":  # mean log-probability per ending token
+                assert doc["pred"] == max(range(4), key=lambda i: ref[i][0] / ref[i][1])
+            else:  # acc_norm divides by the ending's length in characters
+                assert doc["pred"] == max(range(4), key=lambda i: ref[i][0])
+                assert doc["pred_norm"] == max(range(4), key=lambda i: ref[i][0] / len(ends[i]))
+
+
+def test_paper_wikitext_is_the_plain_causal_lm_loss(setup, mirror):
+    hf, ours, _, tok, hf_tok = setup
+    res = ev.wikitext(ours, tok, "paper", limit=4, batch_size=4, mirror=mirror)
+    paragraphs = [p for p in benchmarks.wikitext_paragraphs(mirror)
+                  if len(hf_tok(p, add_special_tokens=False)["input_ids"]) >= 10][:4]
+    for p, doc in zip(paragraphs, res["docs"]):
+        ids = torch.tensor([hf_tok(p, add_special_tokens=False)["input_ids"][:WINDOW]])
+        with torch.no_grad():
+            loss = hf(input_ids=ids, labels=ids).loss.item()
+        assert abs(doc["mean_loss"] - loss) <= 1e-4
+    assert "WikiText-103 validation" in res["note"]
+
+
+# --- known answers on hand-made cases ---
+
+class FirstTokenLM(torch.nn.Module):
+    """Every position predicts from the first input token only: logits[b, t] = TABLE[idx[b, 0]]."""
+
+    def __init__(self, vocab: int = 12, window: int = 6):
+        super().__init__()
+        self.config = type("Config", (), {"block_size": window})()
+        self.table = torch.nn.Parameter(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, idx):
+        return self.table[idx[:, :1]].expand(-1, idx.size(1), -1), None
+
+    def logp(self, first: int, token: int) -> float:
+        return torch.log_softmax(self.table[first].double(), -1)[token].item()
+
+
+def test_known_answers():
+    lm = FirstTokenLM()
+    best = lm.table.argmax(-1).tolist()
+    cases = [([3, 4], [5, 6, 7]),  # a continuation of several tokens
+             ([0], [best[0], best[0]]),  # an empty context is <|endoftext|> (0 here): greedy twice
+             ([1, 2, 3, 4, 5], [6, 7, 8])]  # 8 tokens > window + 1 = 7: the context loses its first token
+    scores = ev.score_pairs(lm, cases, batch_size=2)
+    for (ctx, cont), s, first in zip(cases, scores, [3, 0, 2]):
+        assert s.logprob == pytest.approx(sum(lm.logp(first, t) for t in cont), abs=1e-5)
+        assert s.greedy == all(t == best[first] for t in cont) and s.n_tokens == len(cont)
+    assert scores[1].greedy
+    assert [s.truncated for s in scores] == [False, False, True]
+    with pytest.raises(ValueError, match="window"):
+        ev.score_pairs(lm, [([1], list(range(7)))])
+
+
+def test_rolling_windows_are_lm_evals():
+    # lm-eval, max_seq_len=4, context_len=1: P 0 1 2 -> 0 1 2 3; 3 -> 4 5 6 7; 5 6 7 -> 8 9
+    assert ev.rolling_windows(list(range(10)), 99, 4) == [([99], [0, 1, 2, 3]), ([3], [4, 5, 6, 7]),
+                                                         ([5, 6, 7], [8, 9])]
+    assert ev.rolling_windows([], 99, 4) == []
+
+
+def test_tokenisation_follows_lm_eval(setup, mirror):
+    _, _, _, tok, _ = setup
+    ctx, cont = ev.encode_pair(tok, "The cat sat on the ", "mat")  # the trailing space moves to the target
+    assert tok.decode(ctx) == "The cat sat on the" and tok.decode(cont) == " mat"
+    ctx, cont = ev.encode_pair(tok, "He said", " signs\n\nHe")  # a LAMBADA target containing newlines
+    assert tok.decode(cont) == " signs\n\nHe" and ctx + cont == tok.encode("He said signs\n\nHe").ids
+    assert ev.encode_pair(tok, "", "Hello") == ([0], tok.encode("Hello").ids)  # empty context: <|endoftext|>
+    newline_targets = [t for _, t in benchmarks.lambada(mirror) if "\n" in t]
+    assert len(newline_targets) == 7
+
+
+# --- the command line and bad inputs ---
+
+def run_cli(monkeypatch, *args) -> None:
+    monkeypatch.setattr(sys, "argv", ["eval_lambada.py", *args])
+    ev.main()
+
+
+def test_cli_writes_json(setup, mirror, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "eval.json"
+    run_cli(monkeypatch, "--init_from", setup[2], "--tasks", "lambada,hellaswag", "--limit", "3",
+            "--device", "cpu", "--mirror", mirror, "--out", str(out))
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"lambada", "hellaswag"} and report["config"]["protocol"] == "lm-eval"
+    lam = report["results"]["lambada"]
+    assert lam["n"] == 3 and set(lam["metrics"]) == {"acc", "ppl"}
+    assert lam["data"]["lambada/lambada_test.jsonl"].startswith("4aa8d02c")
+    assert "acc_norm" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tasks", "lambada,arc"], "unknown task 'arc'"),
+    (["--protocol", "helm"], "unknown protocol 'helm'"),
+])
+def test_cli_rejects_unknown_names(setup, monkeypatch, args, message):
+    with pytest.raises(SystemExit, match=f"^error: {message}"):
+        run_cli(monkeypatch, "--init_from", setup[2], *args)
+
+
+def test_cli_checkpoint_that_does_not_load(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text('{"kind": "full"}')
+    (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit, match="^error: .*ckpt.pt is not a readable checkpoint"):
+        run_cli(monkeypatch, "--init_from", str(tmp_path))
+
+
+def test_missing_and_malformed_data(setup, tmp_path, monkeypatch, mirror):
+    with pytest.raises(SystemExit, match="^error: lambada/lambada_test.jsonl is missing .* get it from https://"):
+        run_cli(monkeypatch, "--init_from", setup[2], "--tasks", "lambada", "--mirror", str(tmp_path))
+    bad = tmp_path / "hellaswag" / "hellaswag_val.jsonl"
+    bad.parent.mkdir()
+    good = open(f"{mirror}/hellaswag/hellaswag_val.jsonl").readlines()[:2]
+    bad.write_text("".join(good) + '{"ctx_a": "broken\n')
+    with pytest.raises(DataError, match=r"hellaswag_val.jsonl:3: malformed JSON line"):
+        benchmarks.hellaswag(str(tmp_path))
