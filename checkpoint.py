@@ -109,7 +109,7 @@ def load_model(init_from: str, *, preproj: bool = False, skip: bool = False, lor
     if init_from == "scratch":
         raise CheckpointError("--init_from scratch only makes sense for train.py")
     folder = Path(init_from)
-    if folder.is_dir() and (folder / "config.json").is_file() and (folder / "ckpt.pt").exists():
+    if is_run_folder(folder):
         return _load_run(folder, switches, mirror)
     if folder.is_dir() or init_from.startswith(("pythia-", "EleutherAI/")):
         try:
@@ -122,6 +122,14 @@ def load_model(init_from: str, *, preproj: bool = False, skip: bool = False, lor
         return model, tok, {"init_from": str(init_from), "sha256": weights_sha256(model)}
     raise CheckpointError(f"unknown --init_from {init_from!r}: expected nano, scratch, a Pythia name like "
                           f"pythia-160m, a Hugging Face folder, or a run folder")
+
+
+def is_run_folder(folder: Path) -> bool:
+    """One of our run folders (its config.json names the checkpoint kind), not a Hugging Face folder."""
+    try:
+        return "kind" in json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _load_run(folder: Path, switches: dict, mirror: str | None) -> tuple[GPT, Tokenizer, dict]:

@@ -1,0 +1,149 @@
+"""
+The embedded corpus: public-domain books split by whole documents, a byte-level BPE tokenizer, token streams.
+
+    python -m data.prepare            # writes data/cache/nano/ (train.py also calls this on first use)
+
+Splits (no document is in two of them):
+  pretrain   the base's pre-training text: 12 Gutenberg books, the King James Bible, tinyshakespeare and the
+             US inaugural addresses
+  probe      the probe's training text: State of the Union addresses up to 1992 (a domain the base never saw,
+             as WikiText is for the paper's probe)
+  val        held-out State of the Union addresses, 1993 onwards (the probe's domain)
+  val_books  a held-out book, Chesterton's "The Man Who Was Thursday" (the base's domain)
+The tokenizer (vocab 8192, `<|endoftext|>` = 0 between documents) is trained on `pretrain` only.
+
+For real Pythia runs the probe text is the paper's: the first 2,000 lines of WikiText-103 train with more than
+50 characters (downloaded; see `wikitext103_probe_lines`).
+"""
+
+import argparse
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from data.sources import CACHE, DataError, fetch, fetch_folder, sha256, _download
+
+NANO_DATA = CACHE / "nano"
+EOT = "<|endoftext|>"
+VOCAB_SIZE = 8192
+HELD_OUT_BOOK = "chesterton-thursday.txt"
+PROBE_LAST_YEAR = 1992
+SPLITS = ("pretrain", "probe", "val", "val_books")
+WIKITEXT103 = "https://wikitext.smerity.com/wikitext-103-raw-v1.zip"
+
+
+def corpus_splits(mirror: str | None = None) -> dict[str, list[Path]]:
+    """The corpus files of each split, in a fixed order."""
+    books = fetch_folder("gutenberg", mirror)
+    sotu = fetch_folder("state_union", mirror)
+    return {
+        "pretrain": [b for b in books if b.name != HELD_OUT_BOOK] + [fetch("corpus/kjv.txt", mirror),
+                    fetch("corpus/tinyshakespeare.txt", mirror)] + fetch_folder("inaugural", mirror),
+        "probe": [s for s in sotu if int(s.name[:4]) <= PROBE_LAST_YEAR],
+        "val": [s for s in sotu if int(s.name[:4]) > PROBE_LAST_YEAR],
+        "val_books": [b for b in books if b.name == HELD_OUT_BOOK],
+    }
+
+
+def read_docs(paths: list[Path]) -> list[str]:
+    return [p.read_text(encoding="utf-8").strip() for p in paths]
+
+
+def train_tokenizer(docs: list[str], vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    """Byte-level BPE like GPT-NeoX's own (NFC, no prefix space), with <|endoftext|> as id 0."""
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(docs, trainer=trainer)
+    return tok
+
+
+def encode_stream(tok: Tokenizer, docs: list[str]) -> np.ndarray:
+    """All documents as one token stream, each followed by <|endoftext|>."""
+    eot = tok.token_to_id(EOT)
+    ids = []
+    for enc in tok.encode_batch(docs):
+        ids.extend(enc.ids)
+        ids.append(eot)
+    dtype = np.uint16 if tok.get_vocab_size() <= 65536 else np.uint32
+    return np.array(ids, dtype=dtype)
+
+
+def prepare_nano(mirror: str | None = None, force: bool = False) -> Path:
+    """Build data/cache/nano/ once: tokenizer.json, <split>.bin (uint16) and meta.json (what was used)."""
+    meta_path = NANO_DATA / "meta.json"
+    if meta_path.exists() and not force:
+        return NANO_DATA
+    splits = corpus_splits(mirror)
+    docs = {name: read_docs(paths) for name, paths in splits.items()}
+    tok = train_tokenizer(docs["pretrain"])
+    NANO_DATA.mkdir(parents=True, exist_ok=True)
+    tok.save(str(NANO_DATA / "tokenizer.json"))
+    meta = {"vocab_size": tok.get_vocab_size(), "splits": {}}
+    for name in SPLITS:
+        stream = encode_stream(tok, docs[name])
+        stream.tofile(NANO_DATA / f"{name}.bin")
+        meta["splits"][name] = {"tokens": int(stream.size),
+                                "files": {f"{p.parent.name}/{p.name}": sha256(p) for p in splits[name]}}
+    (NANO_DATA / ".meta.json.tmp").write_text(json.dumps(meta, indent=2))
+    (NANO_DATA / ".meta.json.tmp").replace(meta_path)  # written last: its presence means the folder is complete
+    return NANO_DATA
+
+
+def load_nano_split(name: str) -> np.ndarray:
+    meta = json.loads((NANO_DATA / "meta.json").read_text())
+    stream = np.fromfile(NANO_DATA / f"{name}.bin", dtype=np.uint16)
+    if stream.size != meta["splits"][name]["tokens"]:
+        raise DataError(f"{NANO_DATA / name}.bin has {stream.size} tokens, meta.json says "
+                        f"{meta['splits'][name]['tokens']}; delete {NANO_DATA} and run `python -m data.prepare`")
+    return stream
+
+
+def corpus_split_tokens(name: str, tok: Tokenizer, mirror: str | None = None) -> np.ndarray:
+    """A corpus split encoded with any tokenizer (e.g. Pythia's, for offline runs of Pythia-shaped models)."""
+    return encode_stream(tok, read_docs(corpus_splits(mirror)[name]))
+
+
+def wikitext103_probe_lines(tok: Tokenizer, n_lines: int = 2000, min_chars: int = 50,
+                            max_tokens: int = 512) -> list[np.ndarray]:
+    """The paper's probe data: the first n_lines lines of WikiText-103 train longer than min_chars, each
+    tokenised and cut to max_tokens. Downloaded (about 190 MB) and cached; needs network."""
+    path = CACHE / "downloads" / "wikitext-103-raw-v1.zip"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(_download(WIKITEXT103))
+        tmp.replace(path)
+    lines = []
+    with zipfile.ZipFile(path) as z, z.open("wikitext-103-raw/wiki.train.raw") as f:
+        for raw in io.TextIOWrapper(f, encoding="utf-8"):
+            if len(raw.strip()) > min_chars:
+                lines.append(raw.strip())
+                if len(lines) == n_lines:
+                    break
+    return [np.array(enc.ids[:max_tokens], dtype=np.int64) for enc in tok.encode_batch(lines)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Prepare the embedded corpus (splits, BPE tokenizer, token streams).")
+    p.add_argument("--mirror", default=None, help="offline data mirror folder (default: $PREPROJ_MIRROR)")
+    p.add_argument("--force", action="store_true", help="rebuild even if data/cache/nano exists")
+    args = p.parse_args()
+    try:
+        folder = prepare_nano(args.mirror, args.force)
+    except DataError as e:
+        raise SystemExit(f"error: {e}")
+    meta = json.loads((folder / "meta.json").read_text())
+    for name, s in meta["splits"].items():
+        print(f"{name:10s} {len(s['files']):4d} files {s['tokens']:>10,d} tokens")
+
+
+if __name__ == "__main__":
+    main()

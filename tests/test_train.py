@@ -1,0 +1,180 @@
+"""The training loop: pre-training, the frozen probe, checkpoints, resume, DDP, the Pythia path, bad inputs."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, make_hf_model
+
+from checkpoint import CheckpointError, load_model, read_checkpoint
+from data.sources import DataError, fetch
+from train import get_args, train
+
+MICRO = "--n_layer 2 --n_head 2 --n_embd 32 --block_size 32 --batch_size 8 --eval_tasks none --eval_tokens 2048"
+
+
+def run(argv: str) -> tuple:
+    return train(get_args(argv.split()))
+
+
+def losses(folder) -> list[float]:
+    return [json.loads(line)["loss"] for line in open(os.path.join(folder, "metrics.jsonl"))]
+
+
+@pytest.fixture(scope="module")
+def micro_base(tmp_path_factory, mirror):
+    """A micro GPT-NeoX pre-trained from scratch on the corpus by train.py itself."""
+    out = tmp_path_factory.mktemp("base")
+    run(f"--init_from scratch {MICRO} --max_iters 30 --lr 1e-2 --warmup_iters 3 --out_dir {out}")
+    return str(out)
+
+
+def test_pretraining_lowers_the_loss(micro_base):
+    trace = losses(micro_base)
+    assert len(trace) == 30
+    assert sum(trace[-5:]) / 5 < trace[0] - 1.0  # from ~9.0 (uniform over 8192) well down
+
+
+def test_probe_trains_only_new_parameters(micro_base, tmp_path):
+    base, _, _ = load_model(micro_base)
+    out = tmp_path / "probe"
+    model, results = run(f"--init_from {micro_base} --preproj --skip {MICRO} --max_iters 8 --out_dir {out}")
+    # every base tensor bit-identical after the probe
+    for name, t in base.base_state_dict().items():
+        assert torch.equal(t, model.base_state_dict()[name]), name
+    # the probe's parameters did move
+    assert any(not torch.equal(p, q) for p, q in zip(model.new_state_dict().values(),
+                                                    load_model(micro_base, preproj=True, skip=True)[0]
+                                                    .new_state_dict().values()))
+    # the checkpoint holds only new parameters and re-attaches to its base with identical logits
+    ckpt = read_checkpoint(out)
+    assert ckpt["kind"] == "probe" and set(ckpt["model"]) == set(model.new_state_dict())
+    assert all(k.split(".")[2] in ("w_up", "w_down", "w_skip") for k in ckpt["model"])
+    reloaded, _, _ = load_model(str(out))
+    x = torch.randint(0, 8192, (2, 16))
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(x)[0], model(x)[0])
+    assert set(results["val_loss"]["base"]) == {"val", "val_books"}
+
+
+def test_resume_matches_uninterrupted_run(micro_base, tmp_path):
+    common = f"--init_from {micro_base} --skip {MICRO} --max_iters 8 --ckpt_interval 2"
+    run(f"{common} --out_dir {tmp_path / 'a'}")
+    run(f"{common} --out_dir {tmp_path / 'b'} --stop_at 5")
+    assert read_checkpoint(tmp_path / "b")["step"] == 5
+    run(f"{common} --out_dir {tmp_path / 'b'} --resume")
+    a, b = read_checkpoint(tmp_path / "a"), read_checkpoint(tmp_path / "b")
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k])
+
+
+def test_ddp_two_processes_match_one(micro_base, tmp_path):
+    common = f"train.py --init_from {micro_base} --preproj --skip {MICRO} --max_iters 4 --grad_accum 2"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, *common.split(), "--out_dir", str(tmp_path / "one")], cwd=ROOT, env=env,
+                   check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *common.split(),
+                    "--out_dir", str(tmp_path / "two")], cwd=ROOT, env=env, check=True, capture_output=True)
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(one) == len(two) == 4
+    assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5  # same batch, only the order of sums differs
+
+
+def test_pythia_path_end_to_end(tmp_path, mirror):
+    """A tiny random Pythia-shaped HF checkpoint with the real Pythia tokenizer: load, probe, save, reload."""
+    hf_dir = tmp_path / "hf"
+    make_hf_model(vocab=50304, d=64, max_pos=64).save_pretrained(hf_dir)
+    out = tmp_path / "probe"
+    model, _ = run(f"--init_from {hf_dir} --preproj --skip --data corpus --seq_len 64 --batch_size 4 "
+                   f"--max_iters 3 --eval_tasks none --eval_tokens 1024 --out_dir {out}")
+    reloaded, tok, ref = load_model(str(out))
+    assert tok.encode("Hello world").ids == [12092, 1533]  # the real Pythia tokenizer came along
+    assert ref["init_from"] == str(hf_dir)
+    x = torch.randint(0, 50304, (2, 20))
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(x)[0], model(x)[0])
+
+
+# --- bad inputs: a clear one-line error and no partial output ---
+
+def cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True)
+
+
+def assert_one_line_error(proc, *words):
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), proc.stderr[-2000:]
+    for w in words:
+        assert w in last, last
+
+
+def test_unknown_init_from(tmp_path):
+    proc = cli("--init_from", "gpt-17", "--skip", "--out_dir", str(tmp_path / "x"))
+    assert_one_line_error(proc, "unknown --init_from 'gpt-17'")
+    assert not (tmp_path / "x").exists()
+
+
+def test_missing_truncated_and_foreign_checkpoints(micro_base, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(micro_base, broken)
+    os.remove(broken / "ckpt.pt")
+    with pytest.raises(CheckpointError, match="no ckpt.pt"):
+        load_model(str(broken))
+    data = open(os.path.join(micro_base, "ckpt.pt"), "rb").read()
+    (broken / "ckpt.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_model(str(broken))
+    torch.save({"state_dict": {}}, broken / "ckpt.pt")
+    with pytest.raises(CheckpointError, match="not a checkpoint of this project"):
+        load_model(str(broken))
+    proc = cli("--init_from", str(broken), "--skip", "--out_dir", str(tmp_path / "y"))
+    assert_one_line_error(proc, "not a checkpoint of this project")
+    assert not (tmp_path / "y").exists()
+
+
+def test_probe_on_a_changed_base_is_refused(micro_base, tmp_path):
+    base = tmp_path / "base"
+    shutil.copytree(micro_base, base)
+    probe = tmp_path / "probe"
+    run(f"--init_from {base} --skip {MICRO} --max_iters 1 --out_dir {probe}")
+    ckpt = torch.load(base / "ckpt.pt", weights_only=True)
+    ckpt["model"]["ln_f.bias"] += 1e-3
+    torch.save(ckpt, base / "ckpt.pt")
+    with pytest.raises(CheckpointError, match="sha256 differs"):
+        load_model(str(probe))
+
+
+def test_mirror_missing_a_file_and_sha_mismatch(mirror, tmp_path):
+    fake = tmp_path / "mirror"
+    (fake / "lambada").mkdir(parents=True)
+    with pytest.raises(DataError, match=r"lambada/lambada_test.jsonl is missing .* get it from https://"):
+        fetch("lambada/lambada_test.jsonl", str(fake))
+    (fake / "lambada" / "lambada_test.jsonl").write_text('{"text": "tampered"}\n')
+    with pytest.raises(DataError, match="wrong sha256"):
+        fetch("lambada/lambada_test.jsonl", str(fake))
+    proc = subprocess.run([sys.executable, "-m", "data.prepare", "--mirror", str(fake), "--force"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert_one_line_error(proc, "corpus/gutenberg/", "nltk")
+
+
+def test_seq_len_beyond_positions(micro_base, tmp_path):
+    proc = cli("--init_from", micro_base, "--skip", "--seq_len", "64", "--out_dir", str(tmp_path / "z"))
+    assert_one_line_error(proc, "--seq_len 64", "32 positions")
+    assert not (tmp_path / "z").exists()
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(micro_base, tmp_path):
+    out = tmp_path / "nan"
+    proc = cli("--init_from", micro_base, "--skip", *MICRO.split(), "--max_iters", "40", "--lr", "1e30",
+               "--warmup_iters", "1", "--grad_clip", "0", "--ckpt_interval", "1", "--out_dir", str(out))
+    assert_one_line_error(proc, "the loss became", "last good checkpoint")
+    kept = read_checkpoint(out)  # complete and loadable: the step before the loss went bad
+    assert f"(step {kept['step']})" in proc.stderr and kept["step"] >= 1

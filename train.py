@@ -1,0 +1,344 @@
+"""
+One training loop for the frozen probe (the paper's experiment), full fine-tuning and pre-training from scratch.
+
+    python train.py --preproj --skip                              # frozen probe on the embedded base (CPU, offline)
+    python train.py --init_from pythia-160m --preproj --skip --paper   # the paper's recipe on real Pythia (GPU)
+    python train.py --init_from scratch --out_dir out/mine        # pre-train a small GPT-NeoX
+    torchrun --nproc_per_node=2 train.py --preproj --skip         # the same result on several processes
+
+Whenever the base is pre-trained (anything but scratch), only the new parameters train unless --full_finetune.
+The embedded base (`--init_from nano`) is pre-trained by this same loop on first use and cached in out/nano-base.
+"""
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from checkpoint import (NANO_DIR, ROOT, CheckpointError, add_model_args, load_model, read_checkpoint,
+                        save_checkpoint, save_run_file)
+from data.prepare import (NANO_DATA, corpus_split_tokens, load_nano_split, prepare_nano,
+                          wikitext103_probe_lines)
+from data.sources import DataError
+from model import GPT, GPTConfig
+
+# The embedded base: `python train.py` runs this command first when out/nano-base does not exist yet.
+NANO_RECIPE = ("--init_from scratch --n_layer 6 --n_head 3 --n_embd 192 --block_size 256 --max_iters 600 "
+               "--batch_size 16 --lr 2e-3 --min_lr 2e-4 --warmup_iters 30 --weight_decay 0.1 --beta2 0.95 "
+               "--eval_tasks none")
+# The paper's probe recipe (PAPER.md): lr 1e-5, 500 steps, effective batch 16, 512 tokens, 50 warm-up, seed 42.
+PAPER_RECIPE = dict(lr=1e-5, min_lr=0.0, max_iters=500, batch_size=16, grad_accum=1, seq_len=512,
+                    warmup_iters=50, seed=42, weight_decay=0.0, beta2=0.999, data="wikitext103")
+# Arguments a resumed run takes from its checkpoint, so that it continues exactly.
+RESUMED = ("init_from", "preproj", "skip", "lora_rank", "lora_alpha", "seed", "max_iters", "batch_size",
+           "grad_accum", "seq_len", "lr", "min_lr", "warmup_iters", "weight_decay", "beta2", "grad_clip",
+           "full_finetune", "pure_bf16", "data", "n_layer", "n_head", "n_embd", "block_size")
+
+
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    g = p.add_argument_group("run")
+    g.add_argument("--out_dir", default=None, help="run folder (default: out/<init>-<switches>)")
+    g.add_argument("--resume", action="store_true", help="continue the run in --out_dir exactly where it stopped")
+    g.add_argument("--stop_at", type=int, default=0, help="end this invocation after this step (resume later)")
+    g.add_argument("--full_finetune", action="store_true", help="train every weight, not only the new ones")
+    g.add_argument("--paper", action="store_true", help="the paper's probe recipe (see PAPER_RECIPE)")
+    g.add_argument("--pure_bf16", action="store_true", help="hold trainable weights in bf16, no fp32 master (as the paper)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--data", default="auto", choices=["auto", "corpus", "wikitext103"],
+                   help="probe text: the embedded corpus, or the paper's WikiText-103 lines (needs network)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--max_iters", type=int, default=150)
+    g.add_argument("--batch_size", type=int, default=16, help="sequences per optimizer step, all processes together")
+    g.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step (per process)")
+    g.add_argument("--seq_len", type=int, default=0, help="training sequence length (0 = block_size)")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min_lr", type=float, default=1e-4)
+    g.add_argument("--warmup_iters", type=int, default=15)
+    g.add_argument("--weight_decay", type=float, default=0.0)
+    g.add_argument("--beta2", type=float, default=0.99)
+    g.add_argument("--grad_clip", type=float, default=1.0)
+    g.add_argument("--eval_interval", type=int, default=50)
+    g.add_argument("--eval_tokens", type=int, default=65536, help="validation tokens per evaluation")
+    g.add_argument("--ckpt_interval", type=int, default=50)
+    g.add_argument("--eval_tasks", default="lambada,wikitext,hellaswag",
+                   help="benchmarks at the end for base and trained model ('none' to skip)")
+    g.add_argument("--hellaswag_limit", type=int, default=500, help="HellaSwag items at the end (0 = all)")
+    g = p.add_argument_group("model shape (scratch only)")
+    g.add_argument("--n_layer", type=int, default=6)
+    g.add_argument("--n_head", type=int, default=3)
+    g.add_argument("--n_embd", type=int, default=192)
+    g.add_argument("--block_size", type=int, default=256)
+    args = p.parse_args(argv)
+    if args.paper:
+        for k, v in PAPER_RECIPE.items():
+            if f"--{k}" not in (argv if argv is not None else sys.argv):
+                setattr(args, k, v)
+    return args
+
+
+# --- data: every batch is a pure function of (seed, step), so runs resume and split across processes exactly ---
+
+def global_batch(data, step: int, rows: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's whole batch: random windows of a token stream, or padded documents (pad label -100)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    if isinstance(data, np.ndarray):  # a stream: windows of seq_len + 1 tokens
+        starts = torch.randint(0, len(data) - seq_len - 1, (rows,), generator=g).tolist()
+        chunk = torch.stack([torch.from_numpy(data[s:s + seq_len + 1].astype(np.int64)) for s in starts])
+        return chunk[:, :-1], chunk[:, 1:]
+    # documents, visited in a fresh random order each epoch (the paper's padded lines)
+    order = []
+    epoch = (step * rows) // len(data)
+    while len(order) < (step * rows) % len(data) + rows:
+        order += torch.randperm(len(data), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        epoch += 1
+    first = (step * rows) % len(data)
+    docs = [data[i] for i in order[first:first + rows]]
+    x = torch.zeros(rows, seq_len, dtype=torch.long)
+    y = torch.full((rows, seq_len), -100, dtype=torch.long)
+    for r, d in enumerate(docs):
+        d = torch.from_numpy(d[:seq_len + 1])
+        x[r, :len(d) - 1], y[r, :len(d) - 1] = d[:-1], d[1:]
+    return x, y
+
+
+def load_data(args, tokenizer, nano_tokenizer: bool) -> tuple[object, dict[str, np.ndarray]]:
+    """(training data, {validation name: token stream}) for this run."""
+    if args.init_from == "scratch":
+        return load_nano_split("pretrain"), {"val_books": load_nano_split("val_books")}
+    data = args.data if args.data != "auto" else ("corpus" if nano_tokenizer or os.path.isdir(args.init_from)
+                                                  else "wikitext103")
+    if nano_tokenizer:
+        split = lambda name: load_nano_split(name)  # noqa: E731
+    else:  # a Pythia-shaped model: the corpus through its own tokenizer
+        split = lambda name: corpus_split_tokens(name, tokenizer, args.mirror)  # noqa: E731
+    vals = {"val": split("val"), "val_books": split("val_books")}
+    if data == "wikitext103":
+        return wikitext103_probe_lines(tokenizer, max_tokens=args.seq_len), vals
+    return split("probe"), vals
+
+
+@torch.no_grad()
+def val_loss(model: GPT, stream: np.ndarray, seq_len: int, max_tokens: int, device: str, ctx) -> float:
+    """Mean next-token loss over consecutive windows of a held-out stream (the first max_tokens tokens)."""
+    model.eval()
+    n = min(max_tokens, len(stream) - 1) // seq_len
+    total = 0.0
+    for i in range(0, n, 8):
+        rows = range(i, min(i + 8, n))
+        chunk = torch.stack([torch.from_numpy(stream[r * seq_len:(r + 1) * seq_len + 1].astype(np.int64))
+                             for r in rows]).to(device)
+        with ctx:
+            _, loss = model(chunk[:, :-1], chunk[:, 1:])
+        total += loss.item() * len(rows)
+    model.train()
+    return total / n
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warm-up, then cosine decay from lr to min_lr at max_iters."""
+    if step < args.warmup_iters:
+        return args.lr * (step + 1) / args.warmup_iters
+    t = (step - args.warmup_iters) / max(1, args.max_iters - args.warmup_iters)
+    return args.min_lr + 0.5 * (1 + math.cos(math.pi * min(t, 1.0))) * (args.lr - args.min_lr)
+
+
+def ensure_nano_base(args) -> None:
+    """Pre-train the embedded base with NANO_RECIPE the first time it is needed."""
+    if (NANO_DIR / "ckpt.pt").is_file():
+        return
+    cmd = f"{NANO_RECIPE} --out_dir {NANO_DIR} --seed {args.seed} --device {args.device}"
+    if args.mirror:
+        cmd += f" --mirror {shlex.quote(args.mirror)}"
+    print(f"pre-training the embedded base first: python train.py {cmd}")
+    train(get_args(shlex.split(cmd)))
+
+
+def setup_distributed(device: str) -> tuple[int, int, str]:
+    """(rank, world size, device); torchrun sets RANK/WORLD_SIZE. gloo on CPU, nccl on CUDA."""
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    cuda = device.startswith("cuda")
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cuda:
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        torch.cuda.set_device(device)
+    return rank, world, device
+
+
+def train(args) -> tuple[GPT, dict]:
+    """Run one training job; returns the model and the final metrics. Raises SystemExit with a one-line message on bad input."""
+    rank, world, device = setup_distributed(args.device)
+    master = rank == 0
+    out_dir = Path(args.out_dir or ROOT / "out" / run_name(args))
+    if args.resume:
+        saved = read_checkpoint(out_dir)
+    elif (out_dir / "ckpt.pt").exists():
+        raise SystemExit(f"error: {out_dir} already holds a run; pass --resume to continue it or pick another "
+                         f"--out_dir")
+        for k in RESUMED:
+            setattr(args, k, saved["train_args"][k])
+    if args.init_from == "nano":
+        prepare_nano(args.mirror)
+        if master:
+            ensure_nano_base(args)
+        if world > 1:
+            dist.barrier()
+    torch.manual_seed(args.seed)
+    switches = dict(preproj=args.preproj, skip=args.skip, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha)
+    if args.init_from == "scratch":
+        prepare_nano(args.mirror)
+        tokenizer = Tokenizer.from_file(str(NANO_DATA / "tokenizer.json"))
+        model = GPT(GPTConfig(vocab_size=tokenizer.get_vocab_size(), block_size=args.block_size,
+                              n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, **switches))
+        base_ref, base_model = None, None
+    else:
+        model, tokenizer, base_ref = load_model(args.init_from, **switches, mirror=args.mirror)
+        base_model, _, _ = load_model(args.init_from, mirror=args.mirror)  # the untouched base, for comparison
+    probe = args.init_from != "scratch" and not args.full_finetune
+    if probe:
+        if model.num_params("new") == 0:
+            raise SystemExit("error: a frozen probe needs something to train: add --preproj, --skip or --lora_rank "
+                             "(or pass --full_finetune)")
+        model.freeze_base()
+    seq_len = args.seq_len or model.config.block_size
+    if seq_len > model.config.block_size:
+        raise SystemExit(f"error: --seq_len {seq_len} is beyond the model's {model.config.block_size} positions; "
+                         f"use at most {model.config.block_size}")
+    args.seq_len = seq_len
+    train_data, vals = load_data(args, tokenizer, is_nano_tokenizer(tokenizer))
+
+    cuda = device.startswith("cuda")
+    model.to(device)
+    if args.pure_bf16:  # the paper's precision: weights and optimizer state in bf16, no fp32 master copy
+        model.to(torch.bfloat16)
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and not args.pure_bf16 else nullcontext()
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, args.beta2))
+    step = 0
+    if args.resume:
+        model.load_state_dict({k: v.to(device) for k, v in saved["model"].items()}, strict=not probe)
+        opt.load_state_dict(saved["optimizer"])
+        step = saved["step"]
+    base_losses = ({name: val_loss(base_model.to(device), s, seq_len, args.eval_tokens, device, ctx)
+                    for name, s in vals.items()} if base_model is not None and master else {})
+    if base_model is not None:
+        base_model.cpu()
+    train_model = torch.compile(model) if args.compile else model
+    if world > 1:
+        train_model = torch.nn.parallel.DistributedDataParallel(train_model)
+
+    if args.batch_size % (world * args.grad_accum):
+        raise SystemExit(f"error: --batch_size {args.batch_size} must divide into {world} processes x "
+                         f"{args.grad_accum} micro-batches")
+    micro = args.batch_size // (world * args.grad_accum)
+    if master:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        print(f"{'probe' if probe else 'training'} {model.num_params('trainable'):,} of {model.num_params():,} "
+              f"parameters on {device} x{world}; {args.batch_size} x {seq_len} tokens per step -> {out_dir}")
+    log = open(out_dir / "metrics.jsonl", "a") if master else None
+    extra = lambda: {"train_args": vars(args)}  # noqa: E731
+    last_saved = step
+    bar = tqdm(total=args.max_iters, initial=step, disable=not master, dynamic_ncols=True)
+    t0, tokens = time.time(), 0
+    model.train()
+    while step < args.max_iters and not (args.stop_at and step >= args.stop_at):
+        lr = lr_at(step, args)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = global_batch(train_data, step, args.batch_size, seq_len, args.seed)
+        mine = slice(rank * micro * args.grad_accum, (rank + 1) * micro * args.grad_accum)
+        x, y = x[mine].to(device), y[mine].to(device)
+        loss_sum = torch.zeros((), device=device)
+        for m in range(args.grad_accum):
+            sync = m == args.grad_accum - 1 or world == 1
+            with (nullcontext() if sync else train_model.no_sync()), ctx:
+                _, loss = train_model(x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro])
+                (loss / args.grad_accum).backward()
+            loss_sum += loss.detach() / args.grad_accum
+        if world > 1:
+            dist.all_reduce(loss_sum)
+            loss_sum /= world
+        loss_value = loss_sum.item()
+        if not math.isfinite(loss_value):
+            raise SystemExit(f"error: the loss became {loss_value} at step {step + 1}; stopped without saving. "
+                             f"The last good checkpoint (step {last_saved}) is kept in {out_dir}; lower --lr")
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        tokens += int((y != -100).sum()) * world
+        if master:
+            tps = tokens / (time.time() - t0)
+            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tps:,.0f}")
+            bar.update(1)
+            record = {"step": step, "loss": loss_value, "lr": lr, "tok_per_s": round(tps)}
+            if step % args.eval_interval == 0 or step == args.max_iters:
+                record.update({f"{n}_loss": val_loss(model, s, seq_len, args.eval_tokens, device, ctx)
+                               for n, s in vals.items()})
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            if step % args.ckpt_interval == 0 or step == args.max_iters or step == args.stop_at:
+                save_checkpoint(out_dir, model, probe=probe, base_ref=base_ref, step=step,
+                                optimizer_state=opt.state_dict(), extra=extra(), tokenizer=tokenizer)
+                last_saved = step
+    bar.close()
+    if world > 1:
+        dist.destroy_process_group()
+    if not master or step < args.max_iters:
+        return model, {}
+    final = {n: val_loss(model, s, seq_len, args.eval_tokens, device, ctx) for n, s in vals.items()}
+    print_losses(base_losses, final)
+    results = {"val_loss": {"base": base_losses, "trained": final}, "step": step}
+    save_run_file(out_dir, "eval.json", results)
+    return model, results
+
+
+def print_losses(base: dict, trained: dict) -> None:
+    print(f"{'validation loss':<22}{'frozen base':>12}{'trained':>12}")
+    for name, loss in trained.items():
+        b = base.get(name, float("nan"))
+        print(f"{name:<22}{b:>12.4f}{loss:>12.4f}")
+
+
+def is_nano_tokenizer(tokenizer) -> bool:
+    """Whether a model speaks the embedded corpus's tokenizer (then its pre-tokenised splits apply)."""
+    path = NANO_DATA / "tokenizer.json"
+    return path.exists() and Tokenizer.from_file(str(path)).to_str() == tokenizer.to_str()
+
+
+def run_name(args) -> str:
+    base = "scratch" if args.init_from == "scratch" else Path(args.init_from.rstrip("/")).name
+    parts = [base] + [s for s in ("preproj", "skip") if getattr(args, s)]
+    parts += [f"lora{args.lora_rank}"] if args.lora_rank else []
+    parts += ["fullft"] if args.full_finetune else []
+    return "-".join(parts)
+
+
+def main() -> None:
+    args = get_args()
+    try:
+        train(args)
+    except (CheckpointError, DataError) as e:
+        raise SystemExit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
