@@ -1,0 +1,54 @@
+"""
+Sample text from any model: the embedded base, one of our run folders (a probe re-attaches to its base), a Pythia
+name or a Hugging Face folder. Generation uses the K/V cache.
+
+    python sample.py                                                     # the embedded base, unconditional
+    python sample.py --init_from out/nano-preproj-skip --prompt "Mr. Speaker, " --num_samples 3
+    python sample.py --init_from pythia-160m --prompt "The capital of France is" --temperature 0
+"""
+
+import argparse
+
+import torch
+
+from checkpoint import DTYPES, CheckpointError, add_model_args, load_model
+from data.sources import DataError
+from eval_lambada import encode, eot_id
+
+
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--prompt", default="", help="text to continue ('' = start a new document)")
+    p.add_argument("--max_new_tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens (0 = all)")
+    p.add_argument("--num_samples", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def sample(args: argparse.Namespace) -> list[str]:
+    """num_samples continuations of the prompt, generated as one batch; reproducible from --seed."""
+    model, tokenizer, _ = load_model(args.init_from, preproj=args.preproj, skip=args.skip,
+                                     lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, mirror=args.mirror)
+    model.to(args.device, DTYPES[args.dtype]).eval()
+    ids = encode(tokenizer, args.prompt) or [eot_id(tokenizer)]  # an empty prompt starts after <|endoftext|>
+    idx = torch.tensor([ids] * args.num_samples, device=args.device)
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k or None, generator=generator)
+    return [tokenizer.decode(row.tolist()) for row in out]
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    args = get_args(argv)
+    try:
+        texts = sample(args)
+    except (CheckpointError, DataError, ValueError) as e:  # ValueError: prompt + new tokens beyond the context
+        raise SystemExit(f"error: {e}")
+    for i, text in enumerate(texts):
+        print(f"--- sample {i + 1} of {len(texts)} ({args.init_from}) ---\n{text}\n")
+    return texts
+
+
+if __name__ == "__main__":
+    main()
