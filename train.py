@@ -277,6 +277,7 @@ def train(args) -> tuple[GPT, dict]:
             loss_sum /= world
         loss_value = loss_sum.item()
         if not math.isfinite(loss_value):
+            bar.close()
             raise SystemExit(f"error: the loss became {loss_value} at step {step + 1}; stopped without saving. "
                              f"The last good checkpoint (step {last_saved}) is kept in {out_dir}; lower --lr")
         if args.grad_clip > 0:
