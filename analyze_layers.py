@@ -294,10 +294,10 @@ def plot_measure(ax, key: str, series: list[Analysis], fraction: bool) -> None:
     for value, color in inits.items():
         ax.axhline(value, color=color, ls="--", lw=1, alpha=0.7, label=f"expected at init ({value:.3g})")
     plotted += list(inits)
-    if min(plotted) > 0 and max(plotted) > 20 * min(plotted):  # a log axis keeps every curve visible
-        ax.set_yscale("log")
-    if key == "causal":
+    if key == "causal":  # a loss difference: zero is the reference, and it may be negative
         ax.axhline(0.0, color="black", lw=0.8)
+    elif min(plotted) > 0 and max(plotted) > 20 * min(plotted):  # spanning decades: log keeps each curve visible
+        ax.set_yscale("log")
     ax.set_title(title, fontsize=11)
     ax.set_ylabel(ylabel)
     ax.set_xlabel("depth fraction (layer / (n_layer - 1))" if fraction else "layer")
