@@ -31,12 +31,12 @@ from checkpoint import (NANO_DIR, ROOT, CheckpointError, add_model_args, load_mo
 from data.prepare import (NANO_DATA, corpus_split_tokens, load_nano_split, prepare_nano,
                           wikitext103_probe_lines)
 from data.sources import DataError
+from eval_lambada import TASKS, evaluate
 from model import GPT, GPTConfig
 
 # The embedded base: `python train.py` runs this command first when out/nano-base does not exist yet.
 NANO_RECIPE = ("--init_from scratch --n_layer 6 --n_head 3 --n_embd 192 --block_size 256 --max_iters 600 "
-               "--batch_size 16 --lr 2e-3 --min_lr 2e-4 --warmup_iters 30 --weight_decay 0.1 --beta2 0.95 "
-               "--eval_tasks none")
+               "--batch_size 16 --lr 2e-3 --min_lr 2e-4 --warmup_iters 30 --weight_decay 0.1 --beta2 0.95")
 # The paper's probe recipe (PAPER.md): lr 1e-5, 500 steps, effective batch 16, 512 tokens, 50 warm-up, seed 42.
 PAPER_RECIPE = dict(lr=1e-5, min_lr=0.0, max_iters=500, batch_size=16, grad_accum=1, seq_len=512,
                     warmup_iters=50, seed=42, weight_decay=0.0, beta2=0.999, data="wikitext103")
@@ -181,6 +181,9 @@ def setup_distributed(device: str) -> tuple[int, int, str]:
 
 def train(args) -> tuple[GPT, dict]:
     """Run one training job; returns the model and the final metrics. Raises SystemExit with a one-line message on bad input."""
+    unknown = [t for t in bench_settings(args)["tasks"] if t not in TASKS]
+    if unknown:
+        raise SystemExit(f"error: unknown --eval_tasks entry {unknown[0]!r}; choose from {', '.join(TASKS)} or none")
     rank, world, device = setup_distributed(args.device)
     master = rank == 0
     out_dir = Path(args.out_dir or ROOT / "out" / run_name(args))
@@ -306,17 +309,59 @@ def train(args) -> tuple[GPT, dict]:
     if not master or step < args.max_iters:
         return model, {}
     final = {n: val_loss(model, s, seq_len, args.eval_tokens, device, ctx) for n, s in vals.items()}
-    print_losses(base_losses, final)
-    results = {"val_loss": {"base": base_losses, "trained": final}, "step": step}
+    print_side_by_side("validation loss", {n: (base_losses.get(n), v) for n, v in final.items()})
+    results = {"val_loss": {"base": base_losses, "trained": final}, "step": step,
+               "benchmarks": {"settings": bench_settings(args)}}
+    if bench_settings(args)["tasks"]:
+        results["benchmarks"]["trained"] = run_benchmarks(model, tokenizer, args)
+        if base_model is not None:
+            results["benchmarks"]["base"] = base_benchmarks(base_model.to(device), tokenizer, args)
+            base_model.cpu()
+        print_benchmarks(results["benchmarks"])
     save_run_file(out_dir, "eval.json", results)
     return model, results
 
 
-def print_losses(base: dict, trained: dict) -> None:
-    print(f"{'validation loss':<22}{'frozen base':>12}{'trained':>12}")
-    for name, loss in trained.items():
-        b = base.get(name, float("nan"))
-        print(f"{name:<22}{b:>12.4f}{loss:>12.4f}")
+def bench_settings(args) -> dict:
+    tasks = [t for t in args.eval_tasks.split(",") if t and t != "none"]
+    return {"tasks": tasks, "hellaswag_limit": args.hellaswag_limit, "protocol": "lm-eval"}
+
+
+def run_benchmarks(model: GPT, tokenizer: Tokenizer, args) -> dict:
+    """lm-eval's LAMBADA and WikiText in full; HellaSwag on its first --hellaswag_limit items (0 = all)."""
+    tasks = bench_settings(args)["tasks"]
+    full = [t for t in tasks if t != "hellaswag"]
+    results = evaluate(model, tokenizer, full, mirror=args.mirror) if full else {}
+    if "hellaswag" in tasks:
+        results.update(evaluate(model, tokenizer, ["hellaswag"], limit=args.hellaswag_limit or None,
+                                mirror=args.mirror))
+    return results
+
+
+def base_benchmarks(base_model: GPT, tokenizer: Tokenizer, args) -> dict:
+    """The frozen base's benchmarks: reused from the base's own run folder when it measured the same ones."""
+    saved = Path(args.init_from if args.init_from != "nano" else NANO_DIR) / "eval.json"
+    if saved.is_file():
+        bench = json.loads(saved.read_text()).get("benchmarks", {})
+        if bench.get("settings") == bench_settings(args) and "trained" in bench:
+            return bench["trained"]
+    return run_benchmarks(base_model, tokenizer, args)
+
+
+def print_side_by_side(title: str, rows: dict[str, tuple]) -> None:
+    print(f"{title:<28}{'frozen base':>12}{'trained':>12}")
+    for name, (base, trained) in rows.items():
+        b = "-" if base is None else f"{base:.4f}"
+        print(f"{name:<28}{b:>12}{trained:>12.4f}")
+
+
+def print_benchmarks(bench: dict) -> None:
+    rows = {}
+    for task, r in bench["trained"].items():
+        for metric, m in r["metrics"].items():
+            base = bench.get("base", {}).get(task, {}).get("metrics", {}).get(metric, {}).get("value")
+            rows[f"{task} {metric} (n={r['n']})"] = (base, m["value"])
+    print_side_by_side("benchmark (lm-eval)", rows)
 
 
 def is_nano_tokenizer(tokenizer) -> bool:

@@ -1,0 +1,306 @@
+"""
+Speed and memory, measured side by side in one run, printed as a markdown table of ratios with the raw figures.
+
+    python bench.py                 # CPU: pythia-70m and pythia-160m shapes, fp32 (several minutes)
+    python bench.py --smoke         # tiny shapes, a few seconds: checks that every section runs
+
+Sections (the targets are checked in the same run, never by timed unit tests):
+  1. training step tokens/s, ours vs transformers.GPTNeoXForCausalLM with the same weights, full fine-tune and
+     frozen probe (for transformers the probe is added by patching its modules at run time, as the paper's code does)
+  2. frozen probe vs full fine-tune: step time and peak memory
+  3. pre-proj + skip overhead on a training step, next to the theoretical FLOP ratio
+  4. LAMBADA documents/s: our batched scorer vs one example at a time vs the paper's per-target-token loop
+  5. generation tokens/s with and without the K/V cache; K/V cache bytes with and without pre-proj + skip
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from eval_lambada import encode_pair, score_pairs
+from load_pythia import load_pythia
+from model import GPT, GPTConfig, KVCache
+
+SHAPES = {  # name: (vocab, d, layers, heads)
+    "pythia-70m": (50304, 512, 6, 8),
+    "pythia-160m": (50304, 768, 12, 12),
+    "tiny": (512, 64, 2, 4),
+}
+
+
+def hf_model(shape: str, device: str):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    vocab, d, layers, heads = SHAPES[shape]
+    cfg = GPTNeoXConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+                        intermediate_size=4 * d, rotary_pct=0.25, max_position_embeddings=2048,
+                        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return GPTNeoXForCausalLM(cfg).to(device)
+
+
+def ours_from_hf(hf, device: str, **switches) -> GPT:
+    """Our model with exactly the transformers model's weights (through the loader, as users get them)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        return load_pythia(tmp, **switches).to(device)
+
+
+def patch_hf_probe(hf) -> list[nn.Parameter]:
+    """Pre-projection + skip added to transformers' GPT-NeoX at run time with hooks (the paper's approach)."""
+    d = hf.config.hidden_size
+    new = []
+    for layer in hf.gpt_neox.layers:
+        attn = layer.attention
+        attn.w_up = nn.Linear(d, int(1.25 * d), bias=False, device=hf.device)
+        attn.w_down = nn.Linear(int(1.25 * d), d, bias=False, device=hf.device)
+        attn.w_skip = nn.Linear(d, d, bias=False, device=hf.device)
+
+        def pre(module, args, kwargs):
+            x_hat = kwargs.get("hidden_states", args[0] if args else None)
+            module._x_tilde = x_hat + module.w_down(F.silu(module.w_up(x_hat)))
+            if "hidden_states" in kwargs:
+                kwargs["hidden_states"] = module._x_tilde
+                return args, kwargs
+            return (module._x_tilde, *args[1:]), kwargs
+
+        def post(module, args, kwargs, output):
+            return (output[0] + module.w_skip(module._x_tilde), *output[1:])
+
+        attn.register_forward_pre_hook(pre, with_kwargs=True)
+        attn.register_forward_hook(post, with_kwargs=True)
+        new += [attn.w_up.weight, attn.w_down.weight, attn.w_skip.weight]
+    for p in hf.parameters():
+        p.requires_grad_(False)
+    for p in new:
+        p.requires_grad_(True)
+    return new
+
+
+def step_fn(model, hf: bool, x: torch.Tensor):
+    """One training step (forward, backward, AdamW) over the trainable parameters; returns a callable."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+
+    def step():
+        loss = model(input_ids=x, labels=x).loss if hf else model(x[:, :-1], x[:, 1:])[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_interleaved(fns: dict, reps: int, device: str) -> dict[str, float]:
+    """Median seconds per call of each function, calls interleaved so drift hits all alike; one warm-up each."""
+    times = {k: [] for k in fns}
+    for r in range(reps + 1):
+        for k, fn in fns.items():
+            sync(device)
+            t = time.perf_counter()
+            fn()
+            sync(device)
+            if r:
+                times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_training(shape: str, batch: int, seq: int, reps: int, device: str) -> list[dict]:
+    """Sections 1 and 3: ours vs transformers (full and probe), and ours with vs without pre-proj + skip."""
+    hf_full = hf_model(shape, device)
+    ours_full = ours_from_hf(hf_full, device)
+    ours_probe = ours_from_hf(hf_full, device, preproj=True, skip=True)
+    ours_probe.freeze_base()
+    ours_switched = ours_from_hf(hf_full, device, preproj=True, skip=True)  # full fine-tune with the switches
+    hf_probe = hf_model(shape, device)
+    hf_probe.load_state_dict(hf_full.state_dict())
+    patch_hf_probe(hf_probe)
+    x = torch.randint(0, SHAPES[shape][0], (batch, seq + 1), device=device)
+    t = time_interleaved({"ours_full": step_fn(ours_full, False, x), "hf_full": step_fn(hf_full, True, x[:, :-1]),
+                          "ours_probe": step_fn(ours_probe, False, x), "hf_probe": step_fn(hf_probe, True, x[:, :-1]),
+                          "ours_switched": step_fn(ours_switched, False, x)}, reps, device)
+    tokens = batch * seq
+    rows = [{"section": 1, "what": f"{shape} {mode} train step", "ours": tokens / t[f"ours_{mode}"],
+             "reference": tokens / t[f"hf_{mode}"], "unit": "tok/s", "ratio": t[f"hf_{mode}"] / t[f"ours_{mode}"],
+             "target": ">= 1.0"} for mode in ("full", "probe")]
+    flop = flops_per_token(ours_switched.config, seq) / flops_per_token(ours_full.config, seq)
+    rows.append({"section": 3, "what": f"{shape} pre-proj + skip step time / baseline", "ours": t["ours_switched"],
+                 "reference": t["ours_full"], "unit": "s/step", "ratio": t["ours_switched"] / t["ours_full"],
+                 "target": f"<= {flop + 0.05:.3f} (FLOP ratio {flop:.3f} + 0.05)"})
+    return rows
+
+
+def flops_per_token(c: GPTConfig, seq: int) -> float:
+    """Training FLOPs per token: 6 x matmul parameters + attention scores (nanoGPT / PaLM estimate)."""
+    with torch.device("meta"):
+        m = GPT(c)
+    n = m.num_params() - m.wte.weight.numel()  # the embedding is a lookup, not a matmul
+    return 6 * n + 12 * c.n_layer * c.n_embd * seq
+
+
+def memory_child(spec: str) -> None:
+    """Run in a fresh process: peak resident memory and step time of probe or full fine-tune."""
+    shape, mode, batch, seq, reps = json.loads(spec)
+    vocab, d, layers, heads = SHAPES[shape]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=vocab, n_layer=layers, n_head=heads, n_embd=d,
+                          preproj=mode == "probe", skip=mode == "probe"))
+    if mode == "probe":
+        model.freeze_base()
+    x = torch.randint(0, vocab, (batch, seq + 1))
+    step = step_fn(model, False, x)
+    seconds = time_interleaved({"s": step}, reps, "cpu")["s"]
+    print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "seconds": seconds}))
+
+
+def bench_probe_vs_full(shape: str, batch: int, seq: int, reps: int, device: str) -> list[dict]:
+    """Section 2. On CPU each mode runs in its own process so that peak RSS is its own."""
+    res = {}
+    for mode in ("probe", "full"):
+        if device == "cpu":
+            out = subprocess.run([sys.executable, __file__, "--memory_child", json.dumps([shape, mode, batch, seq, reps])],
+                                 capture_output=True, text=True, check=True).stdout
+            res[mode] = json.loads(out.strip().splitlines()[-1])
+        else:
+            vocab, d, layers, heads = SHAPES[shape]
+            model = GPT(GPTConfig(vocab_size=vocab, n_layer=layers, n_head=heads, n_embd=d,
+                                  preproj=mode == "probe", skip=mode == "probe")).to(device)
+            if mode == "probe":
+                model.freeze_base()
+            torch.cuda.reset_peak_memory_stats()
+            step = step_fn(model, False, torch.randint(0, vocab, (batch, seq + 1), device=device))
+            seconds = time_interleaved({"s": step}, reps, device)["s"]
+            res[mode] = {"peak_mb": torch.cuda.max_memory_allocated() / 2**20, "seconds": seconds}
+            del model, step
+    return [{"section": 2, "what": f"{shape} probe / full fine-tune step time", "ours": res["probe"]["seconds"],
+             "reference": res["full"]["seconds"], "unit": "s/step",
+             "ratio": res["probe"]["seconds"] / res["full"]["seconds"], "target": "<= 0.75"},
+            {"section": 2, "what": f"{shape} probe / full fine-tune peak memory", "ours": res["probe"]["peak_mb"],
+             "reference": res["full"]["peak_mb"], "unit": "MB",
+             "ratio": res["probe"]["peak_mb"] / res["full"]["peak_mb"], "target": "< 1.0"}]
+
+
+@torch.inference_mode()
+def paper_token_loop(model: GPT, pairs: list) -> list[bool]:
+    """The paper's LAMBADA scoring: one forward pass per target token, checking each greedy prediction."""
+    correct = []
+    for ctx, cont in pairs:
+        ok = True
+        for i, tok in enumerate(cont):
+            logits, _ = model(torch.tensor([ctx + cont[:i]]))
+            ok &= bool(logits[0, -1].argmax() == tok)
+        correct.append(ok)
+    return correct
+
+
+def bench_eval(model: GPT, tokenizer, n_docs: int, mirror: str | None) -> list[dict]:
+    """Section 4, on the first n_docs LAMBADA passages."""
+    from data import benchmarks
+
+    pairs = [encode_pair(tokenizer, c, t) for c, t in benchmarks.lambada(mirror)[:n_docs]]
+    t0 = time.perf_counter()
+    batched = score_pairs(model, pairs, batch_size=32)
+    t1 = time.perf_counter()
+    single = score_pairs(model, pairs, batch_size=1)
+    t2 = time.perf_counter()
+    loop = paper_token_loop(model, pairs)
+    t3 = time.perf_counter()
+    assert [s.greedy for s in batched] == [s.greedy for s in single] == loop, "the three scorers disagree"
+    return [{"section": 4, "what": "LAMBADA batched vs one at a time", "ours": n_docs / (t1 - t0),
+             "reference": n_docs / (t2 - t1), "unit": "docs/s", "ratio": (t2 - t1) / (t1 - t0), "target": "-"},
+            {"section": 4, "what": "LAMBADA batched vs paper's per-token loop", "ours": n_docs / (t1 - t0),
+             "reference": n_docs / (t3 - t2), "unit": "docs/s", "ratio": (t3 - t2) / (t1 - t0), "target": ">= 10"}]
+
+
+def bench_generation(model: GPT, new_tokens: int, device: str) -> list[dict]:
+    """Section 5: K/V-cached vs uncached generation; cache bytes with and without the switches."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, 16), device=device)
+    t = {}
+    for use_cache in (True, False):
+        sync(device)
+        t0 = time.perf_counter()
+        model.generate(prompt, new_tokens, temperature=0, use_cache=use_cache)
+        sync(device)
+        t[use_cache] = time.perf_counter() - t0
+    c = model.config
+    plain = GPTConfig(**{**c.to_dict(), "preproj": False, "skip": False})
+    switched = GPTConfig(**{**c.to_dict(), "preproj": True, "skip": True})
+    size = lambda cfg: KVCache(cfg, 1, 16 + new_tokens, "meta", torch.float32).nbytes()  # noqa: E731
+    return [{"section": 5, "what": f"generation of {new_tokens} tokens, cache vs none", "ours": new_tokens / t[True],
+             "reference": new_tokens / t[False], "unit": "tok/s", "ratio": t[False] / t[True], "target": ">= 5"},
+            {"section": 5, "what": "K/V cache bytes, pre-proj + skip vs baseline", "ours": size(switched),
+             "reference": size(plain), "unit": "bytes", "ratio": size(switched) / size(plain), "target": "== 1.0"}]
+
+
+def check(row: dict) -> str:
+    t, r = row["target"], row["ratio"]
+    if t == "-":
+        return ""
+    op, value = t.split()[0], float(t.split()[1])
+    ok = {">=": r >= value, "<=": r <= value, "<": r < value, "==": abs(r - value) < 1e-12}[op]
+    return "pass" if ok else "MISS"
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| # | measure | ours | reference | unit | ratio | target | |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['section']} | {r['what']} | {r['ours']:,.4g} | {r['reference']:,.4g} | {r['unit']} | "
+              f"{r['ratio']:.3f} | {r['target']} | {check(r)} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shapes", default="pythia-70m,pythia-160m")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--eval_from", default="nano", help="model for sections 4-5 (any --init_from)")
+    p.add_argument("--lambada_docs", type=int, default=200)
+    p.add_argument("--new_tokens", type=int, default=256)
+    p.add_argument("--mirror", default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes and counts, to check that it all runs")
+    p.add_argument("--memory_child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.memory_child:
+        return memory_child(args.memory_child)
+    if args.smoke:
+        args.shapes, args.batch, args.seq, args.reps, args.lambada_docs, args.new_tokens = "tiny", 2, 32, 1, 8, 32
+    torch.manual_seed(0)
+    rows = []
+    for shape in args.shapes.split(","):
+        rows += bench_training(shape, args.batch, args.seq, args.reps, args.device)
+        rows += bench_probe_vs_full(shape, args.batch, args.seq, args.reps, args.device)
+    if args.smoke:  # a random tiny model with the real Pythia tokenizer stands in for the embedded base
+        from data.sources import fetch
+        from load_pythia import load_tokenizer
+        tokenizer = load_tokenizer(str(fetch("tokenizers/20B_tokenizer.json", args.mirror)))
+        model = GPT(GPTConfig(vocab_size=50304, block_size=512, n_layer=2, n_head=2, n_embd=32))
+    else:
+        from checkpoint import load_model
+        model, tokenizer, _ = load_model(args.eval_from, mirror=args.mirror)
+    model = model.to(args.device).eval()
+    rows += bench_eval(model, tokenizer, args.lambada_docs, args.mirror)
+    rows += bench_generation(model, args.new_tokens, args.device)
+    print(f"device: {args.device} ({torch.get_num_threads()} threads), torch {torch.__version__}; "
+          f"train batch {args.batch} x {args.seq}, median of {args.reps} steps")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""bench.py must keep running (a smoke run; speed itself is measured by bench.py, never asserted here), and the
+optional --compile path of train.py must train exactly like eager mode."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+from test_train import MICRO, losses, micro_base, run  # noqa: F401  (micro_base is a fixture)
+
+
+def test_bench_smoke(mirror):
+    proc = subprocess.run([sys.executable, "bench.py", "--smoke"], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PREPROJ_MIRROR=mirror))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert {line.split("|")[1].strip() for line in table} == {"1", "2", "3", "4", "5"}
+    assert "K/V cache bytes" in proc.stdout and "| 1.000 | == 1.0 | pass |" in proc.stdout
+
+
+def test_compile_matches_eager(micro_base, tmp_path):
+    common = f"--init_from {micro_base} --preproj --skip {MICRO} --max_iters 3"
+    run(f"{common} --out_dir {tmp_path / 'eager'}")
+    run(f"{common} --out_dir {tmp_path / 'compiled'} --compile")
+    eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    assert max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4, (eager, compiled)
+    assert json.loads((tmp_path / "compiled" / "config.json").read_text())["kind"] == "probe"
