@@ -136,10 +136,13 @@ class FirstTokenLM(torch.nn.Module):
     def __init__(self, vocab: int = 12, window: int = 6):
         super().__init__()
         self.config = type("Config", (), {"block_size": window})()
-        self.table = torch.nn.Parameter(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0)))
+        self.table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0))
+        self.lm_head = torch.nn.Linear(vocab, vocab, bias=False)  # one-hot of the first token -> its table row
+        self.lm_head.weight.data = self.table.T.contiguous()
 
     def forward(self, idx):
-        return self.table[idx[:, :1]].expand(-1, idx.size(1), -1), None
+        first = torch.nn.functional.one_hot(idx[:, :1], self.table.size(0)).float()
+        return self.lm_head(first.expand(-1, idx.size(1), -1)), None
 
     def logp(self, first: int, token: int) -> float:
         return torch.log_softmax(self.table[first].double(), -1)[token].item()
