@@ -140,13 +140,8 @@ def _score_batch(model: torch.nn.Module, pairs: list[Pair]) -> list[Score]:
         x[b, :len(seq)] = torch.tensor(seq)
     r, c, t = (torch.tensor(v, dtype=torch.long, device=device) for v in (rows, cols, targets))
     # Only the scored positions need the output layer (LAMBADA scores ~2 of ~100 positions, and the output layer
-    # is a third of a small model's compute): the hook hands lm_head just those rows, so the model returns
-    # logits [n_scored, V]. (GPT.forward has no argument for this; the hook stands in for one.)
-    hook = model.lm_head.register_forward_pre_hook(lambda _, args: (args[0][r, c],))
-    try:
-        logits, _ = model(x.to(device))
-    finally:
-        hook.remove()
+    # is a third of a small model's compute): logits [n_scored, V].
+    logits = model.lm_head(model.hidden_states(x.to(device))[r, c])
     # Full-vocabulary log-softmax in fp32 whatever the weights' dtype: log p(token) = logit - logsumexp(logits).
     logits = logits.float()
     token_lp = (logits.gather(1, t[:, None])[:, 0] - logits.logsumexp(dim=-1)).double().cpu()

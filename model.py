@@ -192,9 +192,6 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # untied, as in Pythia
-        n = config.rotary_ndims
-        inv_freq = 1.0 / (config.rotary_base ** (torch.arange(0, n, 2, dtype=torch.float32) / n))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.apply(self._init_weights)
         self.init_new_params()
 
@@ -224,15 +221,17 @@ class GPT(nn.Module):
                     nn.init.zeros_(lin.lora_b)
 
     def rotary(self, start: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(start, start + T, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq)
+        """cos and sin of RoPE for positions start..start+T-1, computed in fp32 whatever the weights' dtype."""
+        n, device = self.config.rotary_ndims, self.wte.weight.device
+        inv_freq = 1.0 / (self.config.rotary_base ** (torch.arange(0, n, 2, device=device, dtype=torch.float32) / n))
+        freqs = torch.outer(torch.arange(start, start + T, device=device, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits for every position ([B, T, V]) and, given targets, the mean cross-entropy (-100 = ignore)."""
-        B, T = idx.shape
+    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """The final norm's output [B, T, d], which the output layer reads. Scorers that need logits at only a
+        few positions apply lm_head to just those rows (the output layer is a large share of a small model)."""
+        T = idx.size(1)
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
@@ -242,7 +241,12 @@ class GPT(nn.Module):
             x = block(x, cos, sin, cache, i)
         if cache is not None:
             cache.pos += T
-        logits = self.lm_head(self.ln_f(x))
+        return self.ln_f(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits for every position ([B, T, V]) and, given targets, the mean cross-entropy (-100 = ignore)."""
+        logits = self.lm_head(self.hidden_states(idx, cache))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)

@@ -140,9 +140,8 @@ class FirstTokenLM(torch.nn.Module):
         self.lm_head = torch.nn.Linear(vocab, vocab, bias=False)  # one-hot of the first token -> its table row
         self.lm_head.weight.data = self.table.T.contiguous()
 
-    def forward(self, idx):
-        first = torch.nn.functional.one_hot(idx[:, :1], self.table.size(0)).float()
-        return self.lm_head(first.expand(-1, idx.size(1), -1)), None
+    def hidden_states(self, idx):
+        return torch.nn.functional.one_hot(idx[:, :1], self.table.size(0)).float().expand(-1, idx.size(1), -1)
 
     def logp(self, first: int, token: int) -> float:
         return torch.log_softmax(self.table[first].double(), -1)[token].item()
