@@ -180,20 +180,22 @@ def setup_distributed(device: str) -> tuple[int, int, str]:
 
 
 def train(args) -> tuple[GPT, dict]:
-    """Run one training job; returns the model and the final metrics. Raises SystemExit with a one-line message on bad input."""
+    """Run one training job; returns the model and the final metrics.
+
+    Bad input raises SystemExit with a one-line message before anything is written."""
     unknown = [t for t in bench_settings(args)["tasks"] if t not in TASKS]
     if unknown:
         raise SystemExit(f"error: unknown --eval_tasks entry {unknown[0]!r}; choose from {', '.join(TASKS)} or none")
     rank, world, device = setup_distributed(args.device)
     master = rank == 0
     out_dir = Path(args.out_dir or ROOT / "out" / run_name(args))
-    if args.resume:
+    if args.resume:  # the run continues with its own settings, whatever else the command line says
         saved = read_checkpoint(out_dir)
+        for k in RESUMED:
+            setattr(args, k, saved["train_args"][k])
     elif (out_dir / "ckpt.pt").exists():
         raise SystemExit(f"error: {out_dir} already holds a run; pass --resume to continue it or pick another "
                          f"--out_dir")
-        for k in RESUMED:
-            setattr(args, k, saved["train_args"][k])
     if args.init_from == "nano":
         prepare_nano(args.mirror)
         if master:
@@ -349,10 +351,10 @@ def base_benchmarks(base_model: GPT, tokenizer: Tokenizer, args) -> dict:
 
 
 def print_side_by_side(title: str, rows: dict[str, tuple]) -> None:
-    print(f"{title:<28}{'frozen base':>12}{'trained':>12}")
+    fmt = lambda v: "-" if v is None else f"{v:.4f}" if abs(v) < 1e4 else f"{v:.4g}"  # noqa: E731
+    print(f"{title:<34}{'frozen base':>14}{'trained':>14}")
     for name, (base, trained) in rows.items():
-        b = "-" if base is None else f"{base:.4f}"
-        print(f"{name:<28}{b:>12}{trained:>12.4f}")
+        print(f"{name:<34}{fmt(base):>14}{fmt(trained):>14}")
 
 
 def print_benchmarks(bench: dict) -> None:

@@ -67,7 +67,7 @@ def test_resume_matches_uninterrupted_run(micro_base, tmp_path):
     run(f"{common} --out_dir {tmp_path / 'a'}")
     run(f"{common} --out_dir {tmp_path / 'b'} --stop_at 5")
     assert read_checkpoint(tmp_path / "b")["step"] == 5
-    run(f"{common} --out_dir {tmp_path / 'b'} --resume")
+    run(f"--out_dir {tmp_path / 'b'} --resume")  # the settings come from the checkpoint
     a, b = read_checkpoint(tmp_path / "a"), read_checkpoint(tmp_path / "b")
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
     for k in a["model"]:
