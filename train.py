@@ -43,7 +43,8 @@ PAPER_RECIPE = dict(lr=1e-5, min_lr=0.0, max_iters=500, batch_size=16, grad_accu
 # Arguments a resumed run takes from its checkpoint, so that it continues exactly.
 RESUMED = ("init_from", "preproj", "skip", "lora_rank", "lora_alpha", "seed", "max_iters", "batch_size",
            "grad_accum", "seq_len", "lr", "min_lr", "warmup_iters", "weight_decay", "beta2", "grad_clip",
-           "full_finetune", "pure_bf16", "data", "n_layer", "n_head", "n_embd", "block_size")
+           "full_finetune", "pure_bf16", "data", "n_layer", "n_head", "n_embd", "block_size", "eval_interval",
+           "eval_tokens", "ckpt_interval", "eval_tasks", "hellaswag_limit")
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -315,11 +316,15 @@ def train(args) -> tuple[GPT, dict]:
     results = {"val_loss": {"base": base_losses, "trained": final}, "step": step,
                "benchmarks": {"settings": bench_settings(args)}}
     if bench_settings(args)["tasks"]:
-        results["benchmarks"]["trained"] = run_benchmarks(model, tokenizer, args)
-        if base_model is not None:
-            results["benchmarks"]["base"] = base_benchmarks(base_model.to(device), tokenizer, args)
-            base_model.cpu()
-        print_benchmarks(results["benchmarks"])
+        try:
+            results["benchmarks"]["trained"] = run_benchmarks(model, tokenizer, args)
+            if base_model is not None:
+                results["benchmarks"]["base"] = base_benchmarks(base_model.to(device), tokenizer, args)
+                base_model.cpu()
+            print_benchmarks(results["benchmarks"])
+        except ValueError as e:  # e.g. a window too short for HellaSwag's endings; the checkpoint is saved
+            results["benchmarks"]["error"] = str(e)
+            print(f"benchmarks not run: {e} (choose others with --eval_tasks)")
     save_run_file(out_dir, "eval.json", results)
     return model, results
 
