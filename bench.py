@@ -10,7 +10,8 @@ Sections (the targets are checked in the same run, never by timed unit tests):
   2. frozen probe vs full fine-tune: step time and peak memory
   3. pre-proj + skip overhead on a training step, next to the theoretical FLOP ratio
   4. LAMBADA documents/s: our batched scorer vs one example at a time vs the paper's per-target-token loop
-  5. generation tokens/s with and without the K/V cache; K/V cache bytes with and without pre-proj + skip
+  5. generation tokens/s with and without the K/V cache (first shape, random weights); K/V cache bytes with and
+     without pre-proj + skip
 """
 
 import argparse
@@ -90,7 +91,7 @@ def patch_hf_probe(hf) -> list[nn.Parameter]:
 def step_fn(model, hf: bool, x: torch.Tensor):
     """One training step (forward, backward, AdamW) over the trainable parameters; returns a callable."""
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5)
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=True)  # the fused kernel, as train.py uses
 
     def step():
         loss = model(input_ids=x, labels=x).loss if hf else model(x[:, :-1], x[:, 1:])[1]
@@ -120,26 +121,33 @@ def time_interleaved(fns: dict, reps: int, device: str) -> dict[str, float]:
 
 
 def bench_training(shape: str, batch: int, seq: int, reps: int, device: str) -> list[dict]:
-    """Sections 1 and 3: ours vs transformers (full and probe), and ours with vs without pre-proj + skip."""
+    """Sections 1 and 3: ours vs transformers (full and probe), and ours with vs without pre-proj + skip.
+    Each comparison holds only its own two models, timed interleaved, so that neither runs on a busier machine."""
     hf_full = hf_model(shape, device)
-    ours_full = ours_from_hf(hf_full, device)
-    ours_probe = ours_from_hf(hf_full, device, preproj=True, skip=True)
-    ours_probe.freeze_base()
-    ours_switched = ours_from_hf(hf_full, device, preproj=True, skip=True)  # full fine-tune with the switches
-    hf_probe = hf_model(shape, device)
-    hf_probe.load_state_dict(hf_full.state_dict())
-    patch_hf_probe(hf_probe)
     x = torch.randint(0, SHAPES[shape][0], (batch, seq + 1), device=device)
-    t = time_interleaved({"ours_full": step_fn(ours_full, False, x), "hf_full": step_fn(hf_full, True, x[:, :-1]),
-                          "ours_probe": step_fn(ours_probe, False, x), "hf_probe": step_fn(hf_probe, True, x[:, :-1]),
-                          "ours_switched": step_fn(ours_switched, False, x)}, reps, device)
-    tokens = batch * seq
-    rows = [{"section": 1, "what": f"{shape} {mode} train step", "ours": tokens / t[f"ours_{mode}"],
-             "reference": tokens / t[f"hf_{mode}"], "unit": "tok/s", "ratio": t[f"hf_{mode}"] / t[f"ours_{mode}"],
-             "target": ">= 1.0"} for mode in ("full", "probe")]
-    flop = flops_per_token(ours_switched.config, seq) / flops_per_token(ours_full.config, seq)
-    rows.append({"section": 3, "what": f"{shape} pre-proj + skip step time / baseline", "ours": t["ours_switched"],
-                 "reference": t["ours_full"], "unit": "s/step", "ratio": t["ours_switched"] / t["ours_full"],
+    tokens, rows = batch * seq, []
+    for mode in ("full", "probe"):
+        ours = ours_from_hf(hf_full, device, preproj=mode == "probe", skip=mode == "probe")
+        hf = hf_full
+        if mode == "probe":
+            ours.freeze_base()
+            hf = hf_model(shape, device)
+            hf.load_state_dict(hf_full.state_dict())
+            patch_hf_probe(hf)
+        t = time_interleaved({"ours": step_fn(ours, False, x), "hf": step_fn(hf, True, x[:, :-1])}, reps, device)
+        rows.append({"section": 1, "what": f"{shape} {mode} train step", "ours": tokens / t["ours"],
+                     "reference": tokens / t["hf"], "unit": "tok/s", "ratio": t["hf"] / t["ours"], "target": ">= 1.0"})
+        del ours, hf
+    del hf_full
+    torch.manual_seed(0)
+    vocab, d, layers, heads = SHAPES[shape]
+    configs = {k: GPTConfig(vocab_size=vocab, n_layer=layers, n_head=heads, n_embd=d, preproj=k, skip=k)
+               for k in (False, True)}
+    models = {k: GPT(c).to(device) for k, c in configs.items()}
+    t = time_interleaved({k: step_fn(m, False, x) for k, m in models.items()}, reps, device)
+    flop = flops_per_token(configs[True], seq) / flops_per_token(configs[False], seq)
+    rows.append({"section": 3, "what": f"{shape} pre-proj + skip step time / baseline (full fine-tune)",
+                 "ours": t[True], "reference": t[False], "unit": "s/step", "ratio": t[True] / t[False],
                  "target": f"<= {flop + 0.05:.3f} (FLOP ratio {flop:.3f} + 0.05)"})
     return rows
 
@@ -164,7 +172,17 @@ def memory_child(spec: str) -> None:
     x = torch.randint(0, vocab, (batch, seq + 1))
     step = step_fn(model, False, x)
     seconds = time_interleaved({"s": step}, reps, "cpu")["s"]
-    print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "seconds": seconds}))
+    print(json.dumps({"peak_mb": peak_rss_mb(), "seconds": seconds}))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory. VmHWM, not ru_maxrss: a child started from a large parent inherits
+    the parent's ru_maxrss across fork + exec, which would hide the child's own peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # not Linux: the best available
 
 
 def bench_probe_vs_full(shape: str, batch: int, seq: int, reps: int, device: str) -> list[dict]:
@@ -270,7 +288,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--eval_from", default="nano", help="model for sections 4-5 (any --init_from)")
+    p.add_argument("--eval_from", default="nano", help="model for section 4 (any --init_from)")
     p.add_argument("--lambada_docs", type=int, default=200)
     p.add_argument("--new_tokens", type=int, default=256)
     p.add_argument("--mirror", default=None)
@@ -294,9 +312,10 @@ def main() -> None:
     else:
         from checkpoint import load_model
         model, tokenizer, _ = load_model(args.eval_from, mirror=args.mirror)
-    model = model.to(args.device).eval()
-    rows += bench_eval(model, tokenizer, args.lambada_docs, args.mirror)
-    rows += bench_generation(model, args.new_tokens, args.device)
+    rows += bench_eval(model.to(args.device).eval(), tokenizer, args.lambada_docs, args.mirror)
+    vocab, d, layers, heads = SHAPES[args.shapes.split(",")[0]]  # generation: the first shape, Pythia's context
+    gen_model = GPT(GPTConfig(vocab_size=vocab, n_layer=layers, n_head=heads, n_embd=d)).to(args.device).eval()
+    rows += bench_generation(gen_model, args.new_tokens, args.device)
     print(f"device: {args.device} ({torch.get_num_threads()} threads), torch {torch.__version__}; "
           f"train batch {args.batch} x {args.seq}, median of {args.reps} steps")
     print_table(rows)

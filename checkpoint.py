@@ -44,7 +44,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora_rank", type=int, default=0, help="LoRA rank on query_key_value and dense (0 = off)")
     p.add_argument("--lora_alpha", type=float, default=0.0, help="LoRA alpha (0 = 2 * rank, as the paper)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights' dtype for evaluation")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                   help="weights' dtype when evaluating or sampling (train.py uses autocast or --pure_bf16)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--mirror", default=None, help="offline data mirror folder (default: $PREPROJ_MIRROR)")
 

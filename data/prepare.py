@@ -119,7 +119,11 @@ def wikitext103_probe_lines(tok: Tokenizer, n_lines: int = 2000, min_chars: int 
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(_download(WIKITEXT103))
+        try:
+            tmp.write_bytes(_download(WIKITEXT103))
+        except DataError as e:
+            raise DataError(f"the paper's probe text (WikiText-103 train) needs network and is not in the "
+                            f"mirror; offline, pass --data corpus ({e})") from e
         tmp.replace(path)
     lines = []
     with zipfile.ZipFile(path) as z, z.open("wikitext-103-raw/wiki.train.raw") as f:
