@@ -16,7 +16,6 @@ Sections (the targets are checked in the same run, never by timed unit tests):
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -190,8 +189,9 @@ def bench_probe_vs_full(shape: str, batch: int, seq: int, reps: int, device: str
     res = {}
     for mode in ("probe", "full"):
         if device == "cpu":
-            out = subprocess.run([sys.executable, __file__, "--memory_child", json.dumps([shape, mode, batch, seq, reps])],
-                                 capture_output=True, text=True, check=True).stdout
+            spec = json.dumps([shape, mode, batch, seq, reps])
+            out = subprocess.run([sys.executable, __file__, "--memory_child", spec], capture_output=True, text=True,
+                                 check=True).stdout
             res[mode] = json.loads(out.strip().splitlines()[-1])
         else:
             vocab, d, layers, heads = SHAPES[shape]

@@ -105,7 +105,7 @@ def load_model(init_from: str, *, preproj: bool = False, skip: bool = False, lor
     switches = dict(preproj=preproj, skip=skip, lora_rank=lora_rank, lora_alpha=lora_alpha)
     if init_from == "nano":
         if not (NANO_DIR / "ckpt.pt").is_file():
-            raise CheckpointError(f"the embedded base is not built yet; run `python train.py` once to pre-train it")
+            raise CheckpointError("the embedded base is not built yet; run `python train.py` once to pre-train it")
         return load_model(str(NANO_DIR), **switches, mirror=mirror)
     if init_from == "scratch":
         raise CheckpointError("--init_from scratch only makes sense for train.py")

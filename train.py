@@ -56,7 +56,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--stop_at", type=int, default=0, help="end this invocation after this step (resume later)")
     g.add_argument("--full_finetune", action="store_true", help="train every weight, not only the new ones")
     g.add_argument("--paper", action="store_true", help="the paper's probe recipe (see PAPER_RECIPE)")
-    g.add_argument("--pure_bf16", action="store_true", help="hold trainable weights in bf16, no fp32 master (as the paper)")
+    g.add_argument("--pure_bf16", action="store_true",
+                   help="hold trainable weights in bf16, no fp32 master (as the paper)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--data", default="auto", choices=["auto", "corpus", "wikitext103"],
                    help="probe text: the embedded corpus, or the paper's WikiText-103 lines (needs network)")

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from data.sources import CACHE, DataError, fetch, fetch_folder, sha256, _download
+from data.sources import CACHE, DataError, download, fetch, fetch_folder, sha256
 
 NANO_DATA = CACHE / "nano"
 EOT = "<|endoftext|>"
@@ -120,7 +120,7 @@ def wikitext103_probe_lines(tok: Tokenizer, n_lines: int = 2000, min_chars: int 
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         try:
-            tmp.write_bytes(_download(WIKITEXT103))
+            tmp.write_bytes(download(WIKITEXT103))
         except DataError as e:
             raise DataError(f"the paper's probe text (WikiText-103 train) needs network and is not in the "
                             f"mirror; offline, pass --data corpus ({e})") from e

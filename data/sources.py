@@ -65,7 +65,7 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _download(url: str) -> bytes:
+def download(url: str) -> bytes:
     try:
         with urllib.request.urlopen(url, timeout=60) as r:
             return r.read()
@@ -91,7 +91,7 @@ def fetch(relpath: str, mirror: str | None = None) -> Path:
     else:
         path = CACHE / "downloads" / relpath
         if not path.is_file():
-            data = _download(src.url)
+            data = download(src.url)
             if src.member:
                 data = zipfile.ZipFile(io.BytesIO(data)).read(src.member)
             _write_atomic(path, data)
@@ -106,7 +106,7 @@ def fetch_folder(name: str, mirror: str | None = None) -> list[Path]:
     root = mirror_dir(mirror)
     folder = (root / "corpus" / name) if root is not None else CACHE / "downloads" / "corpus" / name
     if root is None and not folder.is_dir():
-        with zipfile.ZipFile(io.BytesIO(_download(FOLDERS[name]))) as z:
+        with zipfile.ZipFile(io.BytesIO(download(FOLDERS[name]))) as z:
             for member in z.namelist():
                 if member.endswith(".txt") and "README" not in member:
                     text = z.read(member).decode("utf-8", errors="replace")  # a few upstream files are Latin-1

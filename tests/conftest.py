@@ -73,3 +73,26 @@ def mirror():
     if not path or not os.path.isdir(path):
         pytest.fail("set PREPROJ_MIRROR to the offline data mirror folder (see README, 'Data')")
     return path
+
+
+# --- training helpers shared by the test files ---
+
+MICRO = "--n_layer 2 --n_head 2 --n_embd 32 --block_size 32 --batch_size 8 --eval_tasks none --eval_tokens 2048"
+
+
+def run(argv: str) -> tuple:
+    """train.py in-process, from a command line: returns (model, final metrics)."""
+    from train import get_args, train
+    return train(get_args(argv.split()))
+
+
+def losses(folder) -> list[float]:
+    return [json.loads(line)["loss"] for line in open(os.path.join(folder, "metrics.jsonl"))]
+
+
+@pytest.fixture(scope="session")
+def micro_base(tmp_path_factory, mirror):
+    """A micro GPT-NeoX pre-trained from scratch on the corpus by train.py itself."""
+    out = tmp_path_factory.mktemp("base")
+    run(f"--init_from scratch {MICRO} --max_iters 30 --lr 1e-2 --warmup_iters 3 --out_dir {out}")
+    return str(out)

@@ -6,8 +6,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
-from test_train import MICRO, losses, micro_base, run  # noqa: F401  (micro_base is a fixture)
+from conftest import MICRO, ROOT, losses, run
 
 
 def test_bench_smoke(mirror):

@@ -1,6 +1,5 @@
 """The training loop: pre-training, the frozen probe, checkpoints, resume, DDP, the Pythia path, bad inputs."""
 
-import json
 import os
 import shutil
 import subprocess
@@ -8,29 +7,10 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, make_hf_model
+from conftest import MICRO, ROOT, losses, make_hf_model, run
 
 from checkpoint import CheckpointError, load_model, read_checkpoint
 from data.sources import DataError, fetch
-from train import get_args, train
-
-MICRO = "--n_layer 2 --n_head 2 --n_embd 32 --block_size 32 --batch_size 8 --eval_tasks none --eval_tokens 2048"
-
-
-def run(argv: str) -> tuple:
-    return train(get_args(argv.split()))
-
-
-def losses(folder) -> list[float]:
-    return [json.loads(line)["loss"] for line in open(os.path.join(folder, "metrics.jsonl"))]
-
-
-@pytest.fixture(scope="module")
-def micro_base(tmp_path_factory, mirror):
-    """A micro GPT-NeoX pre-trained from scratch on the corpus by train.py itself."""
-    out = tmp_path_factory.mktemp("base")
-    run(f"--init_from scratch {MICRO} --max_iters 30 --lr 1e-2 --warmup_iters 3 --out_dir {out}")
-    return str(out)
 
 
 def test_pretraining_lowers_the_loss(micro_base):
