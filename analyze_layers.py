@@ -35,7 +35,7 @@ from checkpoint import ROOT, CheckpointError, is_run_folder, load_model, read_ch
 from data.prepare import corpus_split_tokens, load_nano_split
 from data.sources import DataError
 from model import GPT
-from train import RESUMED, is_nano_tokenizer, run_name, val_loss
+from train import RUN_SETTINGS, is_nano_tokenizer, run_name, val_loss
 
 DEFAULT_RUN = ROOT / "out" / "nano-preproj-skip"
 
@@ -173,14 +173,14 @@ def resolve(arg: str) -> str:
 
 
 def identity(arg: str, model: GPT) -> tuple[str, str, str]:
-    """(label, group key, group name). Runs that share every setting defining them (train.RESUMED) but the
+    """(label, group key, group name). Runs that share every setting defining them (train.RUN_SETTINGS) but the
     seed form a group, named like train.py names its run folders."""
     label = Path(arg.rstrip("/")).name or arg
     shape = f"{model.config.n_layer}x{model.config.n_embd}"
     train_args = read_checkpoint(Path(arg)).get("train_args") if is_run_folder(Path(arg)) else None
     if not train_args:  # a model name or a checkpoint from elsewhere: a group of its own
         return label, f"{arg} {shape}", label
-    key = repr(sorted((k, train_args.get(k)) for k in RESUMED if k != "seed")) + shape
+    key = repr(sorted((k, train_args.get(k)) for k in RUN_SETTINGS if k != "seed")) + shape
     return label, key, run_name(Namespace(**train_args))
 
 

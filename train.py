@@ -40,11 +40,12 @@ NANO_RECIPE = ("--init_from scratch --n_layer 6 --n_head 3 --n_embd 192 --block_
 # The paper's probe recipe (PAPER.md): lr 1e-5, 500 steps, effective batch 16, 512 tokens, 50 warm-up, seed 42.
 PAPER_RECIPE = dict(lr=1e-5, min_lr=0.0, max_iters=500, batch_size=16, grad_accum=1, seq_len=512,
                     warmup_iters=50, seed=42, weight_decay=0.0, beta2=0.999, data="wikitext103")
-# Arguments a resumed run takes from its checkpoint, so that it continues exactly.
-RESUMED = ("init_from", "preproj", "skip", "lora_rank", "lora_alpha", "seed", "max_iters", "batch_size",
-           "grad_accum", "seq_len", "lr", "min_lr", "warmup_iters", "weight_decay", "beta2", "grad_clip",
-           "full_finetune", "pure_bf16", "data", "n_layer", "n_head", "n_embd", "block_size", "eval_interval",
-           "eval_tokens", "ckpt_interval", "eval_tasks", "hellaswag_limit")
+# The settings that define what a run trains (runs differing only in seed are repetitions of one experiment) ...
+RUN_SETTINGS = ("init_from", "preproj", "skip", "lora_rank", "lora_alpha", "seed", "max_iters", "batch_size",
+                "grad_accum", "seq_len", "lr", "min_lr", "warmup_iters", "weight_decay", "beta2", "grad_clip",
+                "full_finetune", "pure_bf16", "data", "n_layer", "n_head", "n_embd", "block_size")
+# ... and all that a resumed run takes from its checkpoint, so that it continues exactly.
+RESUMED = RUN_SETTINGS + ("eval_interval", "eval_tokens", "ckpt_interval", "eval_tasks", "hellaswag_limit")
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -200,3 +200,22 @@ def test_prompt_longer_than_block_size():
         m.generate(torch.zeros(1, 17, dtype=torch.long), 1)
     with pytest.raises(ValueError, match="longer than block_size=16"):
         m(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_load_pythia_cli(tmp_path, mirror):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    make_hf_model(vocab=50304, d=64, max_pos=64).save_pretrained(tmp_path)
+    tok = os.path.join(mirror, "tokenizers", "20B_tokenizer.json")
+    proc = subprocess.run([sys.executable, "load_pythia.py", str(tmp_path), "--prompt", "Hello world",
+                           "--max_new_tokens", "5", "--tokenizer", tok, "--preproj", "--skip"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("parameters: ") and "new" in lines[0]
+    assert lines[1].startswith("Hello world") and len(lines[1]) > len("Hello world")
+    proc = subprocess.run([sys.executable, "load_pythia.py", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True)  # no tokenizer.json beside these weights: one clear line
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: no tokenizer.json")
