@@ -1,5 +1,6 @@
 """The training loop: pre-training, the frozen probe, checkpoints, resume, DDP, the Pythia path, bad inputs."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -158,3 +159,32 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(micro_base, tmp_path):
     assert_one_line_error(proc, "the loss became", "last good checkpoint")
     kept = read_checkpoint(out)  # complete and loadable: the step before the loss went bad
     assert f"(step {kept['step']})" in proc.stderr and kept["step"] >= 1
+
+
+def test_paper_recipe_and_explicit_flags():
+    from train import get_args
+    args = get_args(["--paper", "--preproj", "--skip", "--max_iters", "20"])
+    assert (args.lr, args.batch_size, args.seq_len, args.warmup_iters, args.seed, args.beta2, args.data) == \
+        (1e-5, 16, 512, 50, 42, 0.999, "wikitext103")
+    assert args.max_iters == 20  # a flag given explicitly wins over the recipe
+    assert not args.pure_bf16  # the paper's precision is a separate switch
+
+
+def test_pure_bf16_probe(micro_base, tmp_path):
+    model, _ = run(f"--init_from {micro_base} --skip {MICRO} --max_iters 2 --pure_bf16 --out_dir {tmp_path / 'p'}")
+    assert model.blocks[0].w_skip.weight.dtype == torch.bfloat16
+    assert read_checkpoint(tmp_path / "p")["model"]["blocks.0.w_skip.weight"].dtype == torch.bfloat16
+
+
+def test_run_ends_with_benchmarks_for_base_and_trained(micro_base, tmp_path):
+    from eval_lambada import evaluate
+    out = tmp_path / "bench"
+    model, results = run(f"--init_from {micro_base} --skip {MICRO} --max_iters 2 --eval_tasks lambada "
+                         f"--out_dir {out}")
+    saved = json.loads((out / "eval.json").read_text())["benchmarks"]
+    assert set(saved) == {"settings", "base", "trained"}
+    base, tok, _ = load_model(micro_base)
+    expected = evaluate(base, tok, ["lambada"])["lambada"]["metrics"]["ppl"]["value"]
+    assert saved["base"]["lambada"]["metrics"]["ppl"]["value"] == pytest.approx(expected, rel=1e-9)
+    assert saved["trained"]["lambada"]["n"] == 5153
+    assert saved["trained"]["lambada"]["metrics"]["ppl"]["value"] != pytest.approx(expected, rel=1e-6)
