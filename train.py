@@ -182,6 +182,46 @@ def setup_distributed(device: str) -> tuple[int, int, str]:
     return rank, world, device
 
 
+def build_model(args) -> tuple[GPT, Tokenizer, dict | None, GPT | None]:
+    """(the model with its switches, its tokenizer, the base reference, the untouched base for comparison)."""
+    switches = dict(preproj=args.preproj, skip=args.skip, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha)
+    if args.init_from == "scratch":
+        prepare_nano(args.mirror)
+        tokenizer = Tokenizer.from_file(str(NANO_DATA / "tokenizer.json"))
+        model = GPT(GPTConfig(vocab_size=tokenizer.get_vocab_size(), block_size=args.block_size,
+                              n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, **switches))
+        return model, tokenizer, None, None
+    model, tokenizer, base_ref = load_model(args.init_from, **switches, mirror=args.mirror)
+    base_model, _, _ = load_model(args.init_from, mirror=args.mirror)
+    return model, tokenizer, base_ref, base_model
+
+
+def make_optimizer(model: GPT, args) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters only; no weight decay on biases and norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    # fused: one kernel over all tensors; on a CPU the optimizer is a large share of a step
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, args.beta2), fused=True)
+
+
+def accumulate_gradients(train_model, x: torch.Tensor, y: torch.Tensor, args, world: int, ctx) -> float:
+    """Forward and backward over this process's rows in --grad_accum micro-batches; returns the step's mean loss
+    over every process. DDP averages the gradients once, on the last micro-batch."""
+    micro = len(x) // args.grad_accum
+    loss_sum = torch.zeros((), device=x.device)
+    for m in range(args.grad_accum):
+        sync = m == args.grad_accum - 1 or world == 1
+        with (nullcontext() if sync else train_model.no_sync()), ctx:
+            _, loss = train_model(x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro])
+            (loss / args.grad_accum).backward()
+        loss_sum += loss.detach() / args.grad_accum
+    if world > 1:
+        dist.all_reduce(loss_sum)
+        loss_sum /= world
+    return loss_sum.item()
+
+
 def train(args) -> tuple[GPT, dict]:
     """Run one training job; returns the model and the final metrics.
 
@@ -191,6 +231,9 @@ def train(args) -> tuple[GPT, dict]:
         raise SystemExit(f"error: unknown --eval_tasks entry {unknown[0]!r}; choose from {', '.join(TASKS)} or none")
     rank, world, device = setup_distributed(args.device)
     master = rank == 0
+    if args.batch_size % (world * args.grad_accum):
+        raise SystemExit(f"error: --batch_size {args.batch_size} must divide into {world} processes x "
+                         f"{args.grad_accum} micro-batches")
     out_dir = Path(args.out_dir or ROOT / "out" / run_name(args))
     if args.resume:  # the run continues with its own settings, whatever else the command line says
         saved = read_checkpoint(out_dir)
@@ -206,64 +249,46 @@ def train(args) -> tuple[GPT, dict]:
         if world > 1:
             dist.barrier()
     torch.manual_seed(args.seed)
-    switches = dict(preproj=args.preproj, skip=args.skip, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha)
-    if args.init_from == "scratch":
-        prepare_nano(args.mirror)
-        tokenizer = Tokenizer.from_file(str(NANO_DATA / "tokenizer.json"))
-        model = GPT(GPTConfig(vocab_size=tokenizer.get_vocab_size(), block_size=args.block_size,
-                              n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, **switches))
-        base_ref, base_model = None, None
-    else:
-        model, tokenizer, base_ref = load_model(args.init_from, **switches, mirror=args.mirror)
-        base_model, _, _ = load_model(args.init_from, mirror=args.mirror)  # the untouched base, for comparison
+    model, tokenizer, base_ref, base_model = build_model(args)
     probe = args.init_from != "scratch" and not args.full_finetune
     if probe:
         if model.num_params("new") == 0:
             raise SystemExit("error: a frozen probe needs something to train: add --preproj, --skip or --lora_rank "
                              "(or pass --full_finetune)")
         model.freeze_base()
-    seq_len = args.seq_len or model.config.block_size
+    args.seq_len = seq_len = args.seq_len or model.config.block_size
     if seq_len > model.config.block_size:
         raise SystemExit(f"error: --seq_len {seq_len} is beyond the model's {model.config.block_size} positions; "
                          f"use at most {model.config.block_size}")
-    args.seq_len = seq_len
     train_data, vals = load_data(args, tokenizer, is_nano_tokenizer(tokenizer))
 
-    cuda = device.startswith("cuda")
     model.to(device)
     if args.pure_bf16:  # the paper's precision: weights and optimizer state in bf16, no fp32 master copy
         model.to(torch.bfloat16)
+    cuda = device.startswith("cuda")
     ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and not args.pure_bf16 else nullcontext()
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, args.beta2),
-                            fused=True)  # one kernel over all tensors: on a CPU the optimizer is a large share
+    opt = make_optimizer(model, args)
     step = 0
     if args.resume:
         model.load_state_dict({k: v.to(device) for k, v in saved["model"].items()}, strict=not probe)
         opt.load_state_dict(saved["optimizer"])
         step = saved["step"]
-    base_losses = ({name: val_loss(base_model.to(device), s, seq_len, args.eval_tokens, device, ctx)
-                    for name, s in vals.items()} if base_model is not None and master else {})
-    if base_model is not None:
+    base_losses = {}
+    if base_model is not None and master:
+        base_losses = {n: val_loss(base_model.to(device), s, seq_len, args.eval_tokens, device, ctx)
+                       for n, s in vals.items()}
         base_model.cpu()
     train_model = torch.compile(model) if args.compile else model
     if world > 1:
         train_model = torch.nn.parallel.DistributedDataParallel(train_model)
 
-    if args.batch_size % (world * args.grad_accum):
-        raise SystemExit(f"error: --batch_size {args.batch_size} must divide into {world} processes x "
-                         f"{args.grad_accum} micro-batches")
-    micro = args.batch_size // (world * args.grad_accum)
     if master:
         out_dir.mkdir(parents=True, exist_ok=True)
         print(f"{'probe' if probe else 'training'} {model.num_params('trainable'):,} of {model.num_params():,} "
               f"parameters on {device} x{world}; {args.batch_size} x {seq_len} tokens per step -> {out_dir}")
     log = open(out_dir / "metrics.jsonl", "a") if master else None
-    extra = lambda: {"train_args": vars(args)}  # noqa: E731
     last_saved = step
+    rows = args.batch_size // world  # this process's share of every batch
     bar = tqdm(total=args.max_iters, initial=step, disable=not master, dynamic_ncols=True)
     t0, tokens = time.time(), 0
     model.train()
@@ -272,25 +297,14 @@ def train(args) -> tuple[GPT, dict]:
         for group in opt.param_groups:
             group["lr"] = lr
         x, y = global_batch(train_data, step, args.batch_size, seq_len, args.seed)
-        mine = slice(rank * micro * args.grad_accum, (rank + 1) * micro * args.grad_accum)
-        x, y = x[mine].to(device), y[mine].to(device)
-        loss_sum = torch.zeros((), device=device)
-        for m in range(args.grad_accum):
-            sync = m == args.grad_accum - 1 or world == 1
-            with (nullcontext() if sync else train_model.no_sync()), ctx:
-                _, loss = train_model(x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro])
-                (loss / args.grad_accum).backward()
-            loss_sum += loss.detach() / args.grad_accum
-        if world > 1:
-            dist.all_reduce(loss_sum)
-            loss_sum /= world
-        loss_value = loss_sum.item()
+        x, y = x[rank * rows:(rank + 1) * rows].to(device), y[rank * rows:(rank + 1) * rows].to(device)
+        loss_value = accumulate_gradients(train_model, x, y, args, world, ctx)
         if not math.isfinite(loss_value):
             bar.close()
             raise SystemExit(f"error: the loss became {loss_value} at step {step + 1}; stopped without saving. "
                              f"The last good checkpoint (step {last_saved}) is kept in {out_dir}; lower --lr")
         if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
@@ -307,29 +321,37 @@ def train(args) -> tuple[GPT, dict]:
             log.flush()
             if step % args.ckpt_interval == 0 or step == args.max_iters or step == args.stop_at:
                 save_checkpoint(out_dir, model, probe=probe, base_ref=base_ref, step=step,
-                                optimizer_state=opt.state_dict(), extra=extra(), tokenizer=tokenizer)
+                                optimizer_state=opt.state_dict(), extra={"train_args": vars(args)},
+                                tokenizer=tokenizer)
                 last_saved = step
     bar.close()
     if world > 1:
         dist.destroy_process_group()
     if not master or step < args.max_iters:
         return model, {}
-    final = {n: val_loss(model, s, seq_len, args.eval_tokens, device, ctx) for n, s in vals.items()}
-    print_side_by_side("validation loss", {n: (base_losses.get(n), v) for n, v in final.items()})
-    results = {"val_loss": {"base": base_losses, "trained": final}, "step": step,
-               "benchmarks": {"settings": bench_settings(args)}}
-    if bench_settings(args)["tasks"]:
-        try:
-            results["benchmarks"]["trained"] = run_benchmarks(model, tokenizer, args)
-            if base_model is not None:
-                results["benchmarks"]["base"] = base_benchmarks(base_model.to(device), tokenizer, args)
-                base_model.cpu()
-            print_benchmarks(results["benchmarks"])
-        except ValueError as e:  # e.g. a window too short for HellaSwag's endings; the checkpoint is saved
-            results["benchmarks"]["error"] = str(e)
-            print(f"benchmarks not run: {e} (choose others with --eval_tasks)")
-    save_run_file(out_dir, "eval.json", results)
+    results = final_report(model, base_model, base_losses, tokenizer, vals, args, device, ctx)
+    save_run_file(out_dir, "eval.json", {**results, "step": step})
     return model, results
+
+
+def final_report(model: GPT, base_model: GPT | None, base_losses: dict, tokenizer: Tokenizer,
+                 vals: dict[str, np.ndarray], args, device: str, ctx) -> dict:
+    """Validation losses and lm-eval benchmarks of the frozen base and the trained model, printed side by side."""
+    final = {n: val_loss(model, s, args.seq_len, args.eval_tokens, device, ctx) for n, s in vals.items()}
+    print_side_by_side("validation loss", {n: (base_losses.get(n), v) for n, v in final.items()})
+    results = {"val_loss": {"base": base_losses, "trained": final}, "benchmarks": {"settings": bench_settings(args)}}
+    if not bench_settings(args)["tasks"]:
+        return results
+    try:
+        results["benchmarks"]["trained"] = run_benchmarks(model, tokenizer, args)
+        if base_model is not None:
+            results["benchmarks"]["base"] = base_benchmarks(base_model.to(device), tokenizer, args)
+            base_model.cpu()
+        print_benchmarks(results["benchmarks"])
+    except ValueError as e:  # e.g. a window too short for HellaSwag's endings; the checkpoint is saved
+        results["benchmarks"]["error"] = str(e)
+        print(f"benchmarks not run: {e} (choose others with --eval_tasks)")
+    return results
 
 
 def bench_settings(args) -> dict:
