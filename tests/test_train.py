@@ -58,10 +58,10 @@ def test_resume_matches_uninterrupted_run(micro_base, tmp_path):
 def test_ddp_two_processes_match_one(micro_base, tmp_path):
     common = f"train.py --init_from {micro_base} --preproj --skip {MICRO} --max_iters 4 --grad_accum 2"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, *common.split(), "--out_dir", str(tmp_path / "one")], cwd=ROOT, env=env,
-                   check=True, capture_output=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *common.split(),
-                    "--out_dir", str(tmp_path / "two")], cwd=ROOT, env=env, check=True, capture_output=True)
+    for launcher, out in (([], "one"), (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"], "two")):
+        proc = subprocess.run([sys.executable, *launcher, *common.split(), "--out_dir", str(tmp_path / out)],
+                              cwd=ROOT, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(one) == len(two) == 4
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5  # same batch, only the order of sums differs
