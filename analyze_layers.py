@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from checkpoint import ROOT, CheckpointError, is_run_folder, load_model, read_checkpoint
-from data.prepare import corpus_split_tokens, load_nano_split
+from data.prepare import split_tokens
 from data.sources import DataError
 from model import GPT
-from train import RUN_SETTINGS, is_nano_tokenizer, run_name, val_loss
+from train import RUN_SETTINGS, run_name, val_loss
 
 DEFAULT_RUN = ROOT / "out" / "nano-preproj-skip"
 
@@ -150,13 +150,6 @@ def causal_weights(model: GPT, stream: np.ndarray, seq_len: int, max_tokens: int
     return out
 
 
-def held_out_stream(tokenizer, mirror: str | None) -> np.ndarray:
-    """The probe's held-out domain (the `val` split) in the model's own tokens."""
-    if is_nano_tokenizer(tokenizer):
-        return load_nano_split("val")
-    return corpus_split_tokens("val", tokenizer, mirror)
-
-
 # --- one checkpoint ---
 
 def resolve(arg: str) -> str:
@@ -200,7 +193,7 @@ def analyse(arg: str, args: argparse.Namespace, streams: dict) -> Analysis | Non
         return a
     key = tokenizer.to_str()
     if key not in streams:
-        streams[key] = held_out_stream(tokenizer, args.mirror)
+        streams[key] = split_tokens("val", tokenizer, args.mirror)  # the probe's held-out domain
     seq_len = min(args.seq_len, model.config.block_size)
     a.tokens = min(args.tokens, len(streams[key]) - 1) // seq_len * seq_len
     shares, a.heldout_loss = skip_shares(model, streams[key], seq_len, args.tokens, args.device)

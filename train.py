@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from checkpoint import (NANO_DIR, ROOT, CheckpointError, add_model_args, load_model, read_checkpoint,
                         save_checkpoint, save_run_file)
-from data.prepare import (NANO_DATA, corpus_split_tokens, load_nano_split, prepare_nano,
+from data.prepare import (NANO_DATA, is_nano_tokenizer, load_nano_split, prepare_nano, split_tokens,
                           wikitext103_probe_lines)
 from data.sources import DataError
 from eval_lambada import TASKS, evaluate
@@ -117,20 +117,16 @@ def global_batch(data, step: int, rows: int, seq_len: int, seed: int) -> tuple[t
     return x, y
 
 
-def load_data(args, tokenizer, nano_tokenizer: bool) -> tuple[object, dict[str, np.ndarray]]:
+def load_data(args, tokenizer: Tokenizer) -> tuple[object, dict[str, np.ndarray]]:
     """(training data, {validation name: token stream}) for this run."""
     if args.init_from == "scratch":
         return load_nano_split("pretrain"), {"val_books": load_nano_split("val_books")}
-    data = args.data if args.data != "auto" else ("corpus" if nano_tokenizer or os.path.isdir(args.init_from)
-                                                  else "wikitext103")
-    if nano_tokenizer:
-        split = lambda name: load_nano_split(name)  # noqa: E731
-    else:  # a Pythia-shaped model: the corpus through its own tokenizer
-        split = lambda name: corpus_split_tokens(name, tokenizer, args.mirror)  # noqa: E731
-    vals = {"val": split("val"), "val_books": split("val_books")}
+    data = args.data if args.data != "auto" else (
+        "corpus" if is_nano_tokenizer(tokenizer) or os.path.isdir(args.init_from) else "wikitext103")
+    vals = {name: split_tokens(name, tokenizer, args.mirror) for name in ("val", "val_books")}
     if data == "wikitext103":
         return wikitext103_probe_lines(tokenizer, max_tokens=args.seq_len), vals
-    return split("probe"), vals
+    return split_tokens("probe", tokenizer, args.mirror), vals
 
 
 @torch.no_grad()
@@ -260,7 +256,7 @@ def train(args) -> tuple[GPT, dict]:
     if seq_len > model.config.block_size:
         raise SystemExit(f"error: --seq_len {seq_len} is beyond the model's {model.config.block_size} positions; "
                          f"use at most {model.config.block_size}")
-    train_data, vals = load_data(args, tokenizer, is_nano_tokenizer(tokenizer))
+    train_data, vals = load_data(args, tokenizer)
 
     model.to(device)
     if args.pure_bf16:  # the paper's precision: weights and optimizer state in bf16, no fp32 master copy
@@ -394,12 +390,6 @@ def print_benchmarks(bench: dict) -> None:
             base = bench.get("base", {}).get(task, {}).get("metrics", {}).get(metric, {}).get("value")
             rows[f"{task} {metric} (n={r['n']})"] = (base, m["value"])
     print_side_by_side("benchmark (lm-eval)", rows)
-
-
-def is_nano_tokenizer(tokenizer) -> bool:
-    """Whether a model speaks the embedded corpus's tokenizer (then its pre-tokenised splits apply)."""
-    path = NANO_DATA / "tokenizer.json"
-    return path.exists() and Tokenizer.from_file(str(path)).to_str() == tokenizer.to_str()
 
 
 def run_name(args) -> str:

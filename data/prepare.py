@@ -106,8 +106,17 @@ def load_nano_split(name: str) -> np.ndarray:
     return stream
 
 
-def corpus_split_tokens(name: str, tok: Tokenizer, mirror: str | None = None) -> np.ndarray:
-    """A corpus split encoded with any tokenizer (e.g. Pythia's, for offline runs of Pythia-shaped models)."""
+def is_nano_tokenizer(tok: Tokenizer) -> bool:
+    """Whether a model speaks the embedded corpus's tokenizer (then its pre-tokenised splits apply)."""
+    path = NANO_DATA / "tokenizer.json"
+    return path.exists() and Tokenizer.from_file(str(path)).to_str() == tok.to_str()
+
+
+def split_tokens(name: str, tok: Tokenizer, mirror: str | None = None) -> np.ndarray:
+    """A corpus split in a model's own tokens: the cached stream for the embedded tokenizer, otherwise the split
+    encoded afresh with the model's tokenizer (e.g. Pythia's, for offline runs of Pythia-shaped models)."""
+    if is_nano_tokenizer(tok):
+        return load_nano_split(name)
     return encode_stream(tok, read_docs(corpus_splits(mirror)[name]))
 
 
