@@ -18,6 +18,9 @@ import torch.nn.functional as F
 
 # Names that mark the parameters this project adds on top of a GPT-NeoX base.
 NEW_PARAM_MARKERS = ("w_up", "w_down", "w_skip", "lora_a", "lora_b")
+# Logits per chunk of the training loss (256 MB in fp32): 1,334 rows at Pythia's vocabulary, few enough that the
+# output layer's matrix products stay as fast as on the whole batch.
+LOSS_CHUNK = 2**26
 
 
 @dataclass
@@ -111,6 +114,48 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     n = cos.shape[-1]
     x_rot, x_pass = x[..., :n], x[..., n:]
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of the logits h @ W^T against targets (-100 = ignore), LOSS_CHUNK logits at a time.
+
+    Why not F.cross_entropy(lm_head(h)): with a 50k vocabulary the [tokens, vocab] logits are the largest tensors
+    of a step, and the standard path makes three more of their size (log-softmax, the loss's zero-filled gradient,
+    the log-softmax's gradient). Here each chunk's log-softmax becomes its own gradient, softmax - one_hot, in place
+    while it is at hand, and backward only scales what forward computed. That saves memory (past LOSS_CHUNK the
+    full logits never exist) and two passes over them. It equals the standard path to float rounding (tests).
+    """
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_enabled: bool):
+        need_h, need_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
+        valid = targets != -100
+        scale = 1.0 / valid.sum().clamp(min=1)
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
+        rows = max(1, LOSS_CHUNK // weight.size(0))
+        for i in range(0, len(h), rows):
+            h_c = h[i:i + rows]
+            t_c = targets[i:i + rows].clamp(min=0).unsqueeze(1)  # ignored rows pick any column, weighted 0
+            w_row = (valid[i:i + rows] * scale).unsqueeze(1)  # each row's weight in the mean: 1 / n_valid or 0
+            logp = torch.log_softmax((h_c @ weight.T).float(), dim=-1)
+            loss -= (logp.gather(1, t_c) * w_row).sum()
+            if need_h or need_w:  # d loss / d logits = (softmax - one_hot) * w_row, the row weights applied to
+                g = logp.exp_().scatter_add_(1, t_c, -torch.ones_like(w_row)).to(h.dtype)  # the small operands
+                if need_h:
+                    grad_h[i:i + rows] = (g @ weight) * w_row
+                if need_w:  # beta=0 on the first chunk: the empty buffer is written, not read
+                    grad_w.addmm_(g.T.float(), (h_c * w_row).float(), beta=float(i > 0))
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.w_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors  # ours alone: scaled in place
+        return (None if grad_h is None else grad_h.mul_(grad_loss.to(grad_h.dtype)),
+                None if grad_w is None else grad_w.mul_(grad_loss).to(ctx.w_dtype), None, None)
 
 
 class CausalSelfAttention(nn.Module):
@@ -244,13 +289,15 @@ class GPT(nn.Module):
         return self.ln_f(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits for every position ([B, T, V]) and, given targets, the mean cross-entropy (-100 = ignore)."""
-        logits = self.lm_head(self.hidden_states(idx, cache))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
-        return logits, loss
+                cache: KVCache | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Without targets: (logits for every position [B, T, V], None). With targets: (None, the mean
+        cross-entropy, -100 = ignore), computed chunk by chunk so that the full logits never exist."""
+        h = self.hidden_states(idx, cache)
+        if targets is None:
+            return self.lm_head(h), None
+        loss = LinearCrossEntropy.apply(h.view(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1),
+                                        torch.is_grad_enabled())
+        return None, loss
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

@@ -48,6 +48,52 @@ def test_switches_start_near_the_base(tiny_hf_dir):
         assert torch.equal(v, new.state_dict()[k])
 
 
+def test_loss_and_gradients_match_transformers(tiny_hf_dir):
+    """Training through our chunked loss gives transformers' loss and gradients (ignored labels included)."""
+    from transformers import GPTNeoXForCausalLM
+
+    hf = GPTNeoXForCausalLM.from_pretrained(tiny_hf_dir, attn_implementation="eager")
+    ours = load_pythia(tiny_hf_dir)
+    x = batch()
+    labels = x.clone()
+    labels[0, 5:9] = -100
+    hf_loss = hf(input_ids=x, labels=labels).loss
+    _, loss = ours(x[:, :-1], labels[:, 1:])
+    hf_loss.backward()
+    loss.backward()
+    assert abs(loss.item() - hf_loss.item()) < 1e-5
+    hf_grads = {k: p.grad for k, p in hf.named_parameters()}
+    for name, hf_name in (("lm_head.weight", "embed_out.weight"), ("wte.weight", "gpt_neox.embed_in.weight"),
+                          ("blocks.0.attn.qkv.weight", "gpt_neox.layers.0.attention.query_key_value.weight")):
+        hf_grad = hf_grads.get(hf_name, hf_grads.get(name))
+        assert (dict(ours.named_parameters())[name].grad - hf_grad).abs().max().item() < 1e-5, name
+
+
+@pytest.mark.parametrize("frozen_head", [False, True])
+def test_chunked_loss_matches_cross_entropy(monkeypatch, frozen_head):
+    """LinearCrossEntropy over several chunks equals F.cross_entropy on the full logits: loss, d h, d W, and the
+    loss alone under no_grad."""
+    import model
+    from model import LinearCrossEntropy
+
+    torch.manual_seed(0)
+    vocab, n = 1000, 70
+    monkeypatch.setattr(model, "LOSS_CHUNK", 16 * vocab)  # chunks of 16 rows: four full ones and a short one
+    h = torch.randn(n, 16, requires_grad=True)
+    w = (0.3 * torch.randn(vocab, 16)).requires_grad_(not frozen_head)
+    targets = torch.randint(0, vocab, (n,))
+    targets[::7] = -100
+    ref = torch.nn.functional.cross_entropy(h @ w.T, targets, ignore_index=-100)
+    ref_grads = torch.autograd.grad(ref, [h] if frozen_head else [h, w])
+    loss = LinearCrossEntropy.apply(h, w, targets, True)
+    grads = torch.autograd.grad(loss, [h] if frozen_head else [h, w])
+    assert abs(loss.item() - ref.item()) < 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).abs().max().item() < 1e-6
+    with torch.no_grad():
+        assert abs(LinearCrossEntropy.apply(h, w, targets, False).item() - ref.item()) < 1e-5
+
+
 def test_switches_combine_independently():
     torch.manual_seed(0)
     x = batch(vocab=128)
@@ -57,8 +103,10 @@ def test_switches_combine_independently():
                 cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=32,
                                 preproj=preproj, skip=skip, lora_rank=r)
                 m = GPT(cfg)
-                logits, loss = m(x, x)
-                assert logits.shape == (3, 17, 128) and torch.isfinite(loss)
+                logits, no_loss = m(x)
+                no_logits, loss = m(x, x)
+                assert logits.shape == (3, 17, 128) and no_loss is None and no_logits is None
+                assert torch.isfinite(loss)
                 assert hasattr(m.blocks[0], "w_up") == preproj and hasattr(m.blocks[0], "w_skip") == skip
 
 
