@@ -94,6 +94,24 @@ def test_chunked_loss_matches_cross_entropy(monkeypatch, frozen_head):
         assert abs(LinearCrossEntropy.apply(h, w, targets, False).item() - ref.item()) < 1e-5
 
 
+def test_chunked_loss_under_bf16_autocast():
+    """The path CUDA training takes (bf16 autocast, fp32 weights) gives fp32 gradients near the fp32 ones."""
+    from model import LinearCrossEntropy
+
+    torch.manual_seed(0)
+    h = torch.randn(40, 16, requires_grad=True)
+    w = (0.3 * torch.randn(1000, 16)).requires_grad_()
+    targets = torch.randint(0, 1000, (40,))
+    ref = torch.nn.functional.cross_entropy(h @ w.T, targets)
+    ref_grads = torch.autograd.grad(ref, [h, w])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = LinearCrossEntropy.apply(h, w, targets, True)
+    grads = torch.autograd.grad(loss, [h, w])
+    assert loss.dtype == torch.float32 and abs(loss.item() - ref.item()) < 0.02
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == torch.float32 and (g - r).abs().max().item() < 0.01 * r.abs().max().item()
+
+
 def test_switches_combine_independently():
     torch.manual_seed(0)
     x = batch(vocab=128)
