@@ -147,12 +147,10 @@ def bench_training(shape: str, batch: int, seq: int, reps: int, device: str) -> 
         del ours, hf
     del hf_full
     torch.manual_seed(0)
-    vocab, d, layers, heads = SHAPES[shape]
-    configs = {k: GPTConfig(vocab_size=vocab, n_layer=layers, n_head=heads, n_embd=d, preproj=k, skip=k)
-               for k in (False, True)}
+    configs = {k: shape_config(shape, switches=k) for k in (False, True)}
     models = {k: GPT(c).to(device) for k, c in configs.items()}
     t = time_interleaved({k: step_fn(m, False, x) for k, m in models.items()}, reps, device)
-    flop = forward_flops(configs[True], seq) / forward_flops(configs[False], seq)  # training is 3x either
+    flop = train_flops(configs[True], seq, frozen_base=False) / train_flops(configs[False], seq, frozen_base=False)
     rows.append({"section": 3, "what": f"{shape} pre-proj + skip step time / baseline (full fine-tune)",
                  "ours": t[True], "reference": t[False], "unit": "s/step", "ratio": t[True] / t[False],
                  "flop": flop, "target": f"<= {flop + 0.05:.3f}"})
@@ -185,16 +183,16 @@ def lambada_flops(c: GPTConfig, pairs: list, batch_size: int) -> tuple[float, fl
 MODES = {"probe": (True, True), "full": (True, False), "base full": (False, False)}
 
 
-def mode_config(shape: str, mode: str) -> GPTConfig:
+def shape_config(shape: str, switches: bool = False) -> GPTConfig:
+    """A SHAPES entry as a config, with pre-proj + skip on or off."""
     vocab, d, layers, heads = SHAPES[shape]
-    switches = MODES[mode][0]
     return GPTConfig(vocab_size=vocab, n_layer=layers, n_head=heads, n_embd=d, preproj=switches, skip=switches)
 
 
 def measure_mode(shape: str, mode: str, batch: int, seq: int, reps: int, device: str) -> dict:
     """Step time and peak memory of one way of training (on CPU, run alone in a fresh process)."""
     torch.manual_seed(0)
-    model = GPT(mode_config(shape, mode)).to(device)
+    model = GPT(shape_config(shape, MODES[mode][0])).to(device)
     if MODES[mode][1]:
         model.freeze_base()
     if device.startswith("cuda"):
@@ -238,7 +236,8 @@ def bench_probe_vs_full(shape: str, batch: int, seq: int, reps: int, device: str
             res[mode] = json.loads(out.strip().splitlines()[-1])
         else:
             res[mode] = measure_mode(shape, mode, batch, seq, reps, device)
-    flops = {mode: train_flops(mode_config(shape, mode), seq, MODES[mode][1]) for mode in MODES}
+    flops = {mode: train_flops(shape_config(shape, switches), seq, frozen)
+             for mode, (switches, frozen) in MODES.items()}
     rows = []
     for ref, target in (("full", "<= 0.75"), ("base full", "-")):
         what = "full fine-tune" if ref == "full" else "full fine-tune of the base without pre-proj + skip"
@@ -362,8 +361,7 @@ def main() -> None:
         from checkpoint import load_model
         model, tokenizer, _ = load_model(args.eval_from, mirror=args.mirror)
     rows += bench_eval(model.to(args.device).eval(), tokenizer, args.lambada_docs, args.mirror)
-    vocab, d, layers, heads = SHAPES[args.shapes.split(",")[0]]  # generation: the first shape, Pythia's context
-    gen_model = GPT(GPTConfig(vocab_size=vocab, n_layer=layers, n_head=heads, n_embd=d)).to(args.device).eval()
+    gen_model = GPT(shape_config(args.shapes.split(",")[0])).to(args.device).eval()  # the first shape
     rows += bench_generation(gen_model, args.new_tokens, args.device)
     print(f"device: {args.device} ({torch.get_num_threads()} threads), torch {torch.__version__}, malloc: {malloc}; "
           f"train batch {args.batch} x {args.seq}, median of {args.reps} steps")

@@ -28,6 +28,7 @@ from model import GPT, GPTConfig
 ROOT = Path(__file__).resolve().parent
 NANO_DIR = ROOT / "out" / "nano-base"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SWITCHES = ("preproj", "skip", "lora_rank", "lora_alpha")  # the research switches add_model_args defines
 
 
 class CheckpointError(Exception):
@@ -48,6 +49,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights' dtype when evaluating or sampling (train.py uses autocast or --pure_bf16)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--mirror", default=None, help="offline data mirror folder (default: $PREPROJ_MIRROR)")
+
+
+def switches_of(args: argparse.Namespace) -> dict:
+    """The research switches of a parsed command line, as load_model and GPTConfig take them."""
+    return {k: getattr(args, k) for k in SWITCHES}
 
 
 def weights_sha256(model: GPT) -> str:
@@ -150,7 +156,7 @@ def _load_run(folder: Path, switches: dict, mirror: str | None) -> tuple[GPT, To
         return model, tok, {"init_from": str(folder), "sha256": weights_sha256(model)}
     # A probe: load its base with the probe's own switches, check the fingerprint, attach the new parameters.
     base_ref = ckpt["base"]
-    probe_switches = {k: ckpt["config"][k] for k in ("preproj", "skip", "lora_rank", "lora_alpha")}
+    probe_switches = {k: ckpt["config"][k] for k in SWITCHES}
     model, _, _ = load_model(base_ref["init_from"], **probe_switches, mirror=mirror)
     if weights_sha256(model) != base_ref["sha256"]:
         raise CheckpointError(f"the base {base_ref['init_from']} has changed since {folder} was trained on it "

@@ -37,7 +37,7 @@ from typing import Callable, NamedTuple
 import torch
 from tokenizers import Tokenizer
 
-from checkpoint import DTYPES, CheckpointError, add_model_args, load_model, save_run_file
+from checkpoint import DTYPES, SWITCHES, CheckpointError, add_model_args, load_model, save_run_file, switches_of
 from data import benchmarks
 from data.sources import DataError, fetch, sha256
 
@@ -273,6 +273,15 @@ def hellaswag(model: torch.nn.Module, tokenizer: Tokenizer, protocol: str = "lm-
 TASK_FNS: dict[str, Callable[..., dict]] = {"lambada": lambada, "wikitext": wikitext, "hellaswag": hellaswag}
 
 
+def check_request(tasks: tuple[str, ...] | list[str], protocol: str) -> None:
+    """ValueError naming the first unknown task or protocol."""
+    unknown = [t for t in tasks if t not in TASK_FNS]
+    if unknown:
+        raise ValueError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; choose lm-eval or paper")
+
+
 def evaluate(model: torch.nn.Module, tokenizer: Tokenizer, tasks: tuple[str, ...] | list[str] = TASKS,
              protocol: str = "lm-eval", limit: int | None = None, batch_size: int = 32,
              mirror: str | None = None) -> dict:
@@ -281,11 +290,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Tokenizer, tasks: tuple[str, ...
     The model runs where its weights are and in their dtype; per-document numbers are left out
     (call the task functions for them).
     """
-    unknown = [t for t in tasks if t not in TASK_FNS]
-    if unknown:
-        raise ValueError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"unknown protocol {protocol!r}; choose lm-eval or paper")
+    check_request(tasks, protocol)
     was_training = model.training
     model.eval()
     results = {}
@@ -323,24 +328,18 @@ def main() -> None:
     p.add_argument("--out", default="eval.json", help="where to write the JSON results")
     args = p.parse_args()
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    for t in tasks:
-        if t not in TASK_FNS:
-            raise SystemExit(f"error: unknown task {t!r}; choose from {', '.join(TASKS)}")
-    if args.protocol not in PROTOCOLS:
-        raise SystemExit(f"error: unknown protocol {args.protocol!r}; choose lm-eval or paper")
     if (args.limit is not None and args.limit < 1) or args.batch_size < 1:
         raise SystemExit("error: --limit and --batch_size must be positive")
     try:
-        model, tokenizer, base_ref = load_model(args.init_from, preproj=args.preproj, skip=args.skip,
-                                                lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                                                mirror=args.mirror)
+        check_request(tasks, args.protocol)  # before loading a model that may be large
+        model, tokenizer, base_ref = load_model(args.init_from, **switches_of(args), mirror=args.mirror)
         model.to(device=args.device, dtype=DTYPES[args.dtype])
         results = evaluate(model, tokenizer, tasks, args.protocol, args.limit, args.batch_size, args.mirror)
     except (CheckpointError, DataError, ValueError) as e:
         raise SystemExit(f"error: {e}")
     print(format_table(results))
-    config = {k: getattr(args, k) for k in ("init_from", "preproj", "skip", "lora_rank", "lora_alpha", "device",
-                                             "dtype", "protocol", "limit", "batch_size", "mirror")}
+    config = {k: getattr(args, k) for k in ("init_from", *SWITCHES, "device", "dtype", "protocol", "limit",
+                                             "batch_size", "mirror")}
     report = {"config": {**config, "tasks": tasks, "base": base_ref}, "results": results}
     out = Path(args.out)
     save_run_file(out.parent, out.name, report)

@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from checkpoint import DTYPES, CheckpointError, add_model_args, load_model
+from checkpoint import DTYPES, CheckpointError, add_model_args, load_model, switches_of
 from data.sources import DataError
 from eval_lambada import encode, eot_id
 
@@ -29,8 +29,7 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def sample(args: argparse.Namespace) -> list[str]:
     """num_samples continuations of the prompt, generated as one batch; reproducible from --seed."""
-    model, tokenizer, _ = load_model(args.init_from, preproj=args.preproj, skip=args.skip,
-                                     lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, mirror=args.mirror)
+    model, tokenizer, _ = load_model(args.init_from, **switches_of(args), mirror=args.mirror)
     model.to(args.device, DTYPES[args.dtype]).eval()
     ids = encode(tokenizer, args.prompt) or [eot_id(tokenizer)]  # an empty prompt starts after <|endoftext|>
     idx = torch.tensor([ids] * args.num_samples, device=args.device)

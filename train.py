@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from checkpoint import (NANO_DIR, ROOT, CheckpointError, add_model_args, load_model, read_checkpoint,
-                        save_checkpoint, save_run_file)
+                        save_checkpoint, save_run_file, switches_of)
 from data.prepare import (NANO_DATA, is_nano_tokenizer, load_nano_split, prepare_nano, split_tokens,
                           wikitext103_probe_lines)
 from data.sources import DataError
@@ -181,7 +181,7 @@ def setup_distributed(device: str) -> tuple[int, int, str]:
 
 def build_model(args) -> tuple[GPT, Tokenizer, dict | None, GPT | None]:
     """(the model with its switches, its tokenizer, the base reference, the untouched base for comparison)."""
-    switches = dict(preproj=args.preproj, skip=args.skip, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha)
+    switches = switches_of(args)
     if args.init_from == "scratch":
         prepare_nano(args.mirror)
         tokenizer = Tokenizer.from_file(str(NANO_DATA / "tokenizer.json"))
@@ -406,7 +406,7 @@ def keep_freed_memory() -> bool:
 
     A training step frees and re-allocates the same activations every time. By default glibc returns blocks over
     32 MB, and a free heap top over 64 MB, to the OS, so the next step page-faults and zeroes them all over again:
-    on 2 CPU cores that cost ~15% of a pythia-160m pre-proj + skip step (`bench.py --system_malloc` shows it).
+    on 2 CPU cores that cost up to ~15% of a pythia-160m pre-proj + skip step (README, "Performance").
     PyTorch's caching allocator does this on CUDA; this is the CPU counterpart. Linux with glibc only; returns
     whether it took effect.
     """
