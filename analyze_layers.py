@@ -18,8 +18,6 @@ model's own tokenizer. Checkpoints that differ only in their seed are drawn as o
 import argparse
 import csv
 import math
-from argparse import Namespace
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,15 +25,16 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: works on machines without a display
 import matplotlib.pyplot as plt
-from matplotlib.ticker import MaxNLocator
 import numpy as np
 import torch
+from matplotlib.ticker import MaxNLocator
 
-from checkpoint import ROOT, CheckpointError, is_run_folder, load_model, read_checkpoint
+from checkpoint import ROOT, RUN_SETTINGS, CheckpointError, is_run_folder, load_model, read_checkpoint, run_name
+from cli import format_table
 from data.prepare import split_tokens
 from data.sources import DataError
+from evaluation import val_loss
 from model import GPT
-from train import RUN_SETTINGS, run_name, val_loss
 
 DEFAULT_RUN = ROOT / "out" / "nano-preproj-skip"
 
@@ -82,7 +81,7 @@ def weight_norms(model: GPT) -> dict[str, list[float]]:
     """Frobenius norm of each layer's W_skip, W_up and W_down (those the model has)."""
     out = {}
     for key, attr in (("norm_skip", "w_skip"), ("norm_up", "w_up"), ("norm_down", "w_down")):
-        if hasattr(model.blocks[0], attr):
+        if getattr(model.blocks[0], attr) is not None:
             out[key] = [getattr(b, attr).weight.detach().float().norm().item() for b in model.blocks]
     return out
 
@@ -99,8 +98,8 @@ def expected_init_norms(model: GPT) -> dict[str, float]:
 
 
 @torch.no_grad()
-def skip_shares(model: GPT, stream: np.ndarray, seq_len: int, max_tokens: int,
-                device: str) -> tuple[dict[str, list[float]], float]:
+def skip_shares(model: GPT, stream: np.ndarray, seq_len: int,
+                max_tokens: int) -> tuple[dict[str, list[float]], float]:
     """Per layer, the mean over held-out tokens of ‖W_skip·x̃‖/‖attn_out‖ and ‖W_skip·x̃‖/‖x‖; and the loss.
 
     Hooks read the tensors the block's own forward computes (x as it enters the block, attn_out, W_skip·x̃), so
@@ -129,14 +128,14 @@ def skip_shares(model: GPT, stream: np.ndarray, seq_len: int, max_tokens: int,
         handles += [block.register_forward_pre_hook(keep_x(i)), block.attn.register_forward_hook(keep_attn(i)),
                     block.w_skip.register_forward_hook(accumulate(i))]
     try:
-        loss = val_loss(model, stream, seq_len, max_tokens, device, nullcontext())
+        loss = val_loss(model, stream, seq_len, max_tokens)
     finally:
         for h in handles:
             h.remove()
     return {k: (v / counts).tolist() for k, v in sums.items()}, loss
 
 
-def causal_weights(model: GPT, stream: np.ndarray, seq_len: int, max_tokens: int, device: str,
+def causal_weights(model: GPT, stream: np.ndarray, seq_len: int, max_tokens: int,
                    base_loss: float) -> list[float]:
     """Per layer, held-out loss with that layer's skip output replaced by zeros, minus the intact loss.
     The same tokens are scored each time, so the differences are paired and not swamped by text noise."""
@@ -144,7 +143,7 @@ def causal_weights(model: GPT, stream: np.ndarray, seq_len: int, max_tokens: int
     for block in model.blocks:
         handle = block.w_skip.register_forward_hook(lambda module, args, y: torch.zeros_like(y))
         try:
-            out.append(val_loss(model, stream, seq_len, max_tokens, device, nullcontext()) - base_loss)
+            out.append(val_loss(model, stream, seq_len, max_tokens) - base_loss)
         finally:
             handle.remove()
     return out
@@ -152,7 +151,7 @@ def causal_weights(model: GPT, stream: np.ndarray, seq_len: int, max_tokens: int
 
 # --- one checkpoint ---
 
-def resolve(arg: str) -> str:
+def checkpoint_arg(arg: str) -> str:
     """A run folder, its ckpt.pt, or a model name, as load_model takes it; a missing path is an error."""
     path = Path(arg)
     if path.suffix == ".pt":
@@ -166,7 +165,7 @@ def resolve(arg: str) -> str:
 
 
 def identity(arg: str, model: GPT) -> tuple[str, str, str]:
-    """(label, group key, group name). Runs that share every setting defining them (train.RUN_SETTINGS) but the
+    """(label, group key, group name). Runs that share every setting defining them (checkpoint.RUN_SETTINGS) but the
     seed form a group, named like train.py names its run folders."""
     label = Path(arg.rstrip("/")).name or arg
     shape = f"{model.config.n_layer}x{model.config.n_embd}"
@@ -174,7 +173,7 @@ def identity(arg: str, model: GPT) -> tuple[str, str, str]:
     if not train_args:  # a model name or a checkpoint from elsewhere: a group of its own
         return label, f"{arg} {shape}", label
     key = repr(sorted((k, train_args.get(k)) for k in RUN_SETTINGS if k != "seed")) + shape
-    return label, key, run_name(Namespace(**train_args))
+    return label, key, run_name(train_args)
 
 
 def analyse(arg: str, args: argparse.Namespace, streams: dict) -> Analysis | None:
@@ -196,9 +195,9 @@ def analyse(arg: str, args: argparse.Namespace, streams: dict) -> Analysis | Non
         streams[key] = split_tokens("val", tokenizer, args.mirror)  # the probe's held-out domain
     seq_len = min(args.seq_len, model.config.block_size)
     a.tokens = min(args.tokens, len(streams[key]) - 1) // seq_len * seq_len
-    shares, a.heldout_loss = skip_shares(model, streams[key], seq_len, args.tokens, args.device)
+    shares, a.heldout_loss = skip_shares(model, streams[key], seq_len, args.tokens)
     a.values.update(shares)
-    a.values["causal"] = causal_weights(model, streams[key], seq_len, args.tokens, args.device, a.heldout_loss)
+    a.values["causal"] = causal_weights(model, streams[key], seq_len, args.tokens, a.heldout_loss)
     return a
 
 
@@ -239,16 +238,15 @@ def trend_line(a: Analysis) -> str:
     return f"trend {a.label} (last quarter / first three quarters of layers): " + ", ".join(parts)
 
 
-def format_table(a: Analysis) -> str:
+def layer_table(a: Analysis) -> str:
+    """One checkpoint's measures, a row per layer, then the expected values at initialisation."""
     keys = [k for k in MEASURES if k in a.values]
     head = f"{a.label}: {a.n_layer} layers"
     if a.tokens:
         head += f", held-out loss {a.heldout_loss:.4f} over {a.tokens:,} tokens"
-    lines = [head, f"{'layer':>6}" + "".join(f"{MEASURES[k][0]:>12}" for k in keys)]
-    for i in range(a.n_layer):
-        lines.append(f"{i:>6}" + "".join(f"{a.values[k][i]:>12.5f}" for k in keys))
-    lines.append(f"{'init':>6}" + "".join(f"{a.init[k]:>12.5f}" if k in a.init else f"{'':>12}" for k in keys))
-    return "\n".join(lines)
+    rows = [[str(i)] + [a.values[k][i] for k in keys] for i in range(a.n_layer)]
+    rows.append(["init"] + [a.init.get(k) for k in keys])
+    return head + "\n" + format_table(["layer"] + [MEASURES[k][0] for k in keys], rows)
 
 
 def depth_axis(n_layer: int, fraction: bool) -> np.ndarray:
@@ -345,7 +343,7 @@ def main(argv: list[str] | None = None) -> list[Analysis]:
     args = get_args(argv)
     if args.tokens < args.seq_len:
         raise SystemExit(f"error: --tokens {args.tokens} is less than one window of --seq_len {args.seq_len}")
-    paths = [resolve(c) for c in args.ckpt]
+    paths = [checkpoint_arg(c) for c in args.ckpt]
     streams: dict = {}  # held-out tokens, per tokenizer
     try:
         analyses = [a for a in (analyse(c, args, streams) for c in paths) if a is not None]
@@ -359,7 +357,7 @@ def main(argv: list[str] | None = None) -> list[Analysis]:
     if fraction and not args.depth_fraction:
         print(f"note: the models have {', '.join(map(str, depths))} layers; x is depth fraction so that they line up")
     for a in analyses:
-        print(format_table(a) + "\n")
+        print(layer_table(a) + "\n")
     for a in series:
         print(trend_line(a))
     out = Path(args.out)

@@ -15,7 +15,7 @@ Sections (the targets are checked in the same run, never by timed unit tests):
 
 Where the two sides do different work (sections 3 and 4) the table also shows the FLOP ratio: on a compute-bound
 device such as a CPU, a measured speed-up cannot go much beyond it. Both sides run in one process with the same
-allocator setting (train.py's keep_freed_memory, unless --system_malloc).
+allocator setting (cli.keep_freed_memory, unless --system_malloc).
 """
 
 import argparse
@@ -32,11 +32,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checkpoint import CheckpointError
+from cli import format_table, keep_freed_memory
 from data.sources import DataError
-from eval_lambada import encode_pair, score_pairs
+from evaluation import encode_pair, score_pairs
 from load_pythia import load_pythia
 from model import GPT, GPTConfig, KVCache
-from train import keep_freed_memory
 
 SHAPES = {  # name: (vocab, d, layers, heads)
     "pythia-70m": (50304, 512, 6, 8),
@@ -316,12 +316,10 @@ def check(row: dict) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| # | measure | ours | reference | unit | ratio | FLOP ratio | target | |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        flop = f"{r['flop']:.3f}" if "flop" in r else ""
-        print(f"| {r['section']} | {r['what']} | {r['ours']:,.4g} | {r['reference']:,.4g} | {r['unit']} | "
-              f"{r['ratio']:.3f} | {flop} | {r['target']} | {check(r)} |")
+    print(format_table(["#", "measure", "ours", "reference", "unit", "ratio", "FLOP ratio", "target", ""],
+                       [[r["section"], r["what"], f"{r['ours']:,.4g}", f"{r['reference']:,.4g}", r["unit"],
+                         f"{r['ratio']:.3f}", f"{r['flop']:.3f}" if "flop" in r else "", r["target"], check(r)]
+                        for r in rows], markdown=True))
 
 
 def main() -> None:

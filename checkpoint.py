@@ -12,48 +12,27 @@ only the new parameters plus a reference to its base (how to load it and a sha25
 and re-attaches to exactly the base it was trained on.
 """
 
-import argparse
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from data.sources import fetch
-from load_pythia import load_pythia, load_tokenizer, resolve
-from model import GPT, GPTConfig
+from data.sources import fetch, write_atomic
+from load_pythia import hf_folder, load_pythia, load_tokenizer
+from model import GPT, SWITCHES, GPTConfig
 
 ROOT = Path(__file__).resolve().parent
 NANO_DIR = ROOT / "out" / "nano-base"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SWITCHES = ("preproj", "skip", "lora_rank", "lora_alpha")  # the research switches add_model_args defines
+# The settings that define what a training run trains: runs differing only in seed repeat one experiment.
+RUN_SETTINGS = ("init_from", *SWITCHES, "seed", "max_iters", "batch_size", "grad_accum", "seq_len", "lr", "min_lr",
+                "warmup_iters", "weight_decay", "beta2", "grad_clip", "full_finetune", "pure_bf16", "data",
+                "n_layer", "n_head", "n_embd", "block_size")
 
 
 class CheckpointError(Exception):
     """A model or checkpoint cannot be loaded; the message says why and what to do."""
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The flags every script shares to name a model and where it runs."""
-    p.add_argument("--init_from", default="nano",
-                   help="nano (default, the embedded base), scratch, pythia-160m (or any Pythia / HF id), "
-                        "a Hugging Face folder, or one of our run folders")
-    p.add_argument("--preproj", action="store_true", help="add the pre-projection MLP before Q/K/V")
-    p.add_argument("--skip", action="store_true", help="add the content skip W_skip around attention")
-    p.add_argument("--lora_rank", type=int, default=0, help="LoRA rank on query_key_value and dense (0 = off)")
-    p.add_argument("--lora_alpha", type=float, default=0.0, help="LoRA alpha (0 = 2 * rank, as the paper)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                   help="weights' dtype when evaluating or sampling (train.py uses autocast or --pure_bf16)")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--mirror", default=None, help="offline data mirror folder (default: $PREPROJ_MIRROR)")
-
-
-def switches_of(args: argparse.Namespace) -> dict:
-    """The research switches of a parsed command line, as load_model and GPTConfig take them."""
-    return {k: getattr(args, k) for k in SWITCHES}
 
 
 def weights_sha256(model: GPT) -> str:
@@ -65,15 +44,23 @@ def weights_sha256(model: GPT) -> str:
     return h.hexdigest()
 
 
+def run_name(settings: dict) -> str:
+    """The default run folder name, from a training run's settings: e.g. nano-preproj-skip, pythia-160m-lora64."""
+    init = settings["init_from"]
+    parts = ["scratch" if init == "scratch" else Path(init.rstrip("/")).name]
+    parts += [s for s in ("preproj", "skip") if settings.get(s)]
+    parts += [f"lora{settings['lora_rank']}"] if settings.get("lora_rank") else []
+    parts += ["fullft"] if settings.get("full_finetune") else []
+    return "-".join(parts)
+
+
 def save_run_file(folder: Path, name: str, obj) -> None:
-    """Write one file of a run folder atomically: a temp name, then a rename, so no reader sees half a file."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{name}.tmp"
+    """One file of a run folder, written atomically: a .pt name is saved with torch.save, text as it is,
+    anything else as JSON."""
     if name.endswith(".pt"):
-        torch.save(obj, tmp)
+        write_atomic(Path(folder) / name, lambda tmp: torch.save(obj, tmp))
     else:
-        tmp.write_text(obj if isinstance(obj, str) else json.dumps(obj, indent=2))
-    os.replace(tmp, folder / name)
+        write_atomic(Path(folder) / name, obj if isinstance(obj, str) else json.dumps(obj, indent=2))
 
 
 def save_checkpoint(folder: Path, model: GPT, *, probe: bool, base_ref: dict | None, step: int,
@@ -121,7 +108,7 @@ def load_model(init_from: str, *, preproj: bool = False, skip: bool = False, lor
     if folder.is_dir() or init_from.startswith(("pythia-", "EleutherAI/")):
         try:
             model = load_pythia(init_from, **switches)
-            hf_dir = resolve(init_from)
+            hf_dir = hf_folder(init_from)
         except (ValueError, FileNotFoundError, OSError) as e:
             raise CheckpointError(f"cannot load {init_from}: {e}") from e
         tok_path = Path(hf_dir) / "tokenizer.json"

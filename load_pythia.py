@@ -73,7 +73,7 @@ def config_from_hf(hf: dict, **switches) -> GPTConfig:
     )
 
 
-def resolve(name_or_dir: str, revision: str | None = None) -> str:
+def hf_folder(name_or_dir: str, revision: str | None = None) -> str:
     """A local folder holding config.json and the weights: the folder itself, or a Hub download.
 
     Accepts 'pythia-160m', 'EleutherAI/pythia-160m' and 'EleutherAI/pythia-160m@step143000' (a revision).
@@ -143,7 +143,7 @@ def load_pythia(name_or_dir: str, *, preproj: bool = False, skip: bool = False, 
 
     The base weights are copied exactly; the new parameters get the paper's initialisation.
     """
-    folder = resolve(name_or_dir, revision)
+    folder = hf_folder(name_or_dir, revision)
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"no config.json in {folder}")
@@ -165,7 +165,7 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
         if not os.path.exists(path):
             raise FileNotFoundError(f"no tokenizer.json in {name_or_path}; pass the tokenizer file explicitly")
         return Tokenizer.from_file(path)
-    return Tokenizer.from_file(os.path.join(resolve(name_or_path), "tokenizer.json"))
+    return Tokenizer.from_file(os.path.join(hf_folder(name_or_path), "tokenizer.json"))
 
 
 def main() -> None:
@@ -179,7 +179,7 @@ def main() -> None:
     args = p.parse_args()
     try:
         model = load_pythia(args.name_or_dir, preproj=args.preproj, skip=args.skip)
-        tok = load_tokenizer(args.tokenizer or resolve(args.name_or_dir))
+        tok = load_tokenizer(args.tokenizer or hf_folder(args.name_or_dir))
         idx = torch.tensor([tok.encode(args.prompt).ids])
         out = model.generate(idx, args.max_new_tokens, temperature=0)
     except (ValueError, FileNotFoundError, OSError) as e:

@@ -1,13 +1,28 @@
 """
 GPT-NeoX (the architecture of EleutherAI's Pythia models) in one file, with the two optional changes to every
-attention block from arXiv 2604.10791:
+attention block from arXiv 2604.10791, each behind its own switch:
 
-  pre-projection   x_tilde = x_hat + W_down · SiLU(W_up · x_hat)     (Q, K, V are computed from x_tilde)
-  content skip     out     = x + attn_out + W_skip · x_tilde (+ mlp_out)
+  pre-projection   x_tilde = x_hat + W_down · SiLU(W_up · x_hat)     Q, K, V are computed from x_tilde
+  content skip     out     = x + attn(x_tilde) + W_skip · x_tilde (+ mlp)
 
-and in-house LoRA on the fused QKV and attention output projections, as the paper's comparison needs.
-Everything here is plain PyTorch; no I/O. Loading Hugging Face weights lives in load_pythia.py.
+One block (without pre-projection x_tilde = x_hat; without the skip its branch is absent):
+
+    x ──┬────────────────────────────────────────────────────────── + ──> h ────── + ──> out
+        │                                                           ↑              ↑
+        ├─ ln_1 ─> x_hat ─> pre-projection ─> x_tilde ─┬─> attention┤              │
+        │                                              └─> W_skip ──┘              │
+        └─ ln_2 ─> MLP ────────────────────────────────────────────────────────────┘
+                   (a sequential block feeds h to ln_2 instead of x)
+
+Pythia's block is parallel (out = x + attn + skip + mlp(ln_2 x)); a sequential block feeds h to ln_2 instead.
+In-house LoRA on the fused QKV and attention output projections serves the paper's comparison. Everything here
+is plain PyTorch with no I/O; loading Hugging Face weights lives in load_pythia.py.
+
+Reading order: GPTConfig, CausalSelfAttention, MLP, Block, GPT; then the supporting pieces (RoPE, LoRA, the K/V
+cache for generation, the chunked training loss).
 """
+
+from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
@@ -16,10 +31,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Names that mark the parameters this project adds on top of a GPT-NeoX base.
+# The research switches: what a probe adds to a base. Scripts expose them as flags, checkpoints store them,
+# run names are built from them.
+SWITCHES = ("preproj", "skip", "lora_rank", "lora_alpha")
+# Names that mark the parameters those switches add on top of a GPT-NeoX base.
 NEW_PARAM_MARKERS = ("w_up", "w_down", "w_skip", "lora_a", "lora_b")
-# Logits per chunk of the training loss (256 MB in fp32): 1,334 rows at Pythia's vocabulary, few enough that the
-# output layer's matrix products stay as fast as on the whole batch.
+# Logits per chunk of the training loss (2**26 floats = 256 MB in fp32): large enough that the output layer's
+# matrix products stay efficient, small enough that the full [tokens, vocab] logits never exist.
 LOSS_CHUNK = 2**26
 
 
@@ -69,95 +87,6 @@ class GPTConfig:
         return asdict(self)
 
 
-class LoRALinear(nn.Linear):
-    """A Linear layer plus a low-rank update: y = W x + b + (alpha / r) · B A x, with B starting at zero."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, rank: int, alpha: float):
-        super().__init__(in_features, out_features, bias=bias)
-        self.rank, self.scaling = rank, alpha / rank if rank else 0.0
-        if rank:
-            self.lora_a = nn.Parameter(torch.empty(rank, in_features))
-            self.lora_b = nn.Parameter(torch.zeros(out_features, rank))
-            nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # peft's default for A
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        if self.rank:
-            y = y + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling
-        return y
-
-
-class KVCache:
-    """Keys and values of every layer for generation, preallocated to max_len positions.
-
-    It holds only K and V, whose shapes ([B, n_head, T, head_dim]) do not depend on the research switches:
-    the pre-projection changes what K and V are computed from, not their size.
-    """
-
-    def __init__(self, config: GPTConfig, batch: int, max_len: int, device, dtype: torch.dtype):
-        shape = (config.n_layer, batch, config.n_head, max_len, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.pos = 0  # number of positions already written
-
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the first cos.shape[-1] dims of each head (rotate-half style); the rest pass through."""
-    n = cos.shape[-1]
-    x_rot, x_pass = x[..., :n], x[..., n:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
-
-
-class LinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of the logits h @ W^T against targets (-100 = ignore), LOSS_CHUNK logits at a time.
-
-    Why not F.cross_entropy(lm_head(h)): with a 50k vocabulary the [tokens, vocab] logits are the largest tensors
-    of a step, and the standard path makes three more of their size (log-softmax, the loss's zero-filled gradient,
-    the log-softmax's gradient). Here each chunk's log-softmax becomes its own gradient, softmax - one_hot, in place
-    while it is at hand, and backward only scales what forward computed. That saves memory (past LOSS_CHUNK the
-    full logits never exist) and two passes over them. It equals the standard path to float rounding (tests).
-    """
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_enabled: bool):
-        need_h, need_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
-        valid = targets != -100
-        scale = 1.0 / valid.sum().clamp(min=1)
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
-        rows = max(1, LOSS_CHUNK // weight.size(0))
-        for i in range(0, len(h), rows):
-            h_c = h[i:i + rows]
-            t_c = targets[i:i + rows].clamp(min=0).unsqueeze(1)  # ignored rows pick any column, weighted 0
-            w_row = (valid[i:i + rows] * scale).unsqueeze(1)  # each row's weight in the mean: 1 / n_valid or 0
-            logp = torch.log_softmax((h_c @ weight.T).float(), dim=-1)
-            loss -= (logp.gather(1, t_c) * w_row).sum()
-            if need_h or need_w:  # d loss / d logits = (softmax - one_hot) * w_row, the row weights applied to
-                g = logp.exp_().scatter_add_(1, t_c, -torch.ones_like(w_row)).to(h.dtype)  # the small operands
-                if need_h:
-                    grad_h[i:i + rows] = (g @ weight) * w_row
-                if need_w:  # beta=0 on the first chunk: the empty buffer is written, not read
-                    grad_w.addmm_(g.T.float(), (h_c * w_row).float(), beta=float(i > 0))
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.w_dtype = weight.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
-        grad_h, grad_w = ctx.saved_tensors  # ours alone: scaled in place
-        return (None if grad_h is None else grad_h.mul_(grad_loss.to(grad_h.dtype)),
-                None if grad_w is None else grad_w.mul_(grad_loss).to(ctx.w_dtype), None, None)
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -169,10 +98,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        B, T, C = x.shape
-        qkv = self.qkv(x).view(B, T, self.n_head, 3 * self.head_dim).transpose(1, 2)
-        q, k, v = qkv.chunk(3, dim=-1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        B, T, C = x.shape  # batch, sequence length, n_embd
+        qkv = self.qkv(x).view(B, T, self.n_head, 3 * self.head_dim).transpose(1, 2)  # (B, n_head, T, 3*head_dim)
+        q, k, v = qkv.chunk(3, dim=-1)  # each (B, n_head, T, head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # RoPE on the first rotary_ndims dims
         if cache is None or cache.pos == 0:
             mask, causal = None, True
         else:  # new queries at positions pos..pos+T-1 see every cached key up to their own position
@@ -182,9 +111,9 @@ class CausalSelfAttention(nn.Module):
             end = cache.pos + T
             cache.k[layer, :, :, cache.pos:end] = k
             cache.v[layer, :, :, cache.pos:end] = v
-            k, v = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+            k, v = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # (B, n_head, pos + T, head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B, n_head, T, head_dim)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))  # heads side by side again: (B, T, C)
 
 
 class MLP(nn.Module):
@@ -206,15 +135,16 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.attn = CausalSelfAttention(config)
         self.mlp = MLP(config)
-        if config.preproj:  # position-agnostic: runs on the normed input, before RoPE
-            self.w_up = nn.Linear(d, config.preproj_dim, bias=False)
-            self.w_down = nn.Linear(config.preproj_dim, d, bias=False)
-        if config.skip:
-            self.w_skip = nn.Linear(d, d, bias=False)
+        # The research switches; a module that is off is None. Pre-projection is position-agnostic: it runs on the
+        # normed input, before RoPE.
+        e = config.preproj_dim
+        self.w_up = nn.Linear(d, e, bias=False) if config.preproj else None
+        self.w_down = nn.Linear(e, d, bias=False) if config.preproj else None
+        self.w_skip = nn.Linear(d, d, bias=False) if config.skip else None
 
     def pre_projection(self, x_hat: torch.Tensor) -> torch.Tensor:
         """x_tilde = x_hat + W_down · SiLU(W_up · x_hat); the identity when pre-projection is off."""
-        if not hasattr(self, "w_up"):
+        if self.w_up is None:
             return x_hat
         return x_hat + self.w_down(F.silu(self.w_up(x_hat)))
 
@@ -223,7 +153,7 @@ class Block(nn.Module):
         x_hat = self.ln_1(x)
         x_tilde = self.pre_projection(x_hat)
         h = x + self.attn(x_tilde, cos, sin, cache, layer)
-        if hasattr(self, "w_skip"):  # content skip: x_tilde reaches the residual without attention
+        if self.w_skip is not None:  # content skip: x_tilde reaches the residual without attention
             h = h + self.w_skip(x_tilde)
         # Parallel: the MLP reads the block input; sequential: it reads the attention output.
         return h + self.mlp(self.ln_2(x if self.parallel else h))
@@ -260,10 +190,8 @@ class GPT(nn.Module):
                 nn.init.normal_(block.w_down.weight, std=c.preproj_init_std)
             if c.skip:
                 nn.init.normal_(block.w_skip.weight, std=c.skip_init_std)
-            for lin in (block.attn.qkv, block.attn.proj):
-                if lin.rank:
-                    nn.init.kaiming_uniform_(lin.lora_a, a=math.sqrt(5))
-                    nn.init.zeros_(lin.lora_b)
+            block.attn.qkv.reset_lora()
+            block.attn.proj.reset_lora()
 
     def rotary(self, start: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of RoPE for positions start..start+T-1, computed in fp32 whatever the weights' dtype."""
@@ -350,3 +278,102 @@ class GPT(nn.Module):
 
     def base_state_dict(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.state_dict().items() if not self.is_new(n)}
+
+
+# --- supporting pieces: RoPE, LoRA, the K/V cache, the chunked training loss ---
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first cos.shape[-1] dims of each head (rotate-half style); the rest pass through."""
+    n = cos.shape[-1]
+    x_rot, x_pass = x[..., :n], x[..., n:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+class LoRALinear(nn.Linear):
+    """LoRA, the paper's baseline method: a Linear layer plus a low-rank update,
+    y = W x + b + (alpha / r) · B A x, with B starting at zero."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, rank: int, alpha: float):
+        super().__init__(in_features, out_features, bias=bias)
+        self.rank, self.scaling = rank, alpha / rank if rank else 0.0
+        if rank:
+            self.lora_a = nn.Parameter(torch.empty(rank, in_features))
+            self.lora_b = nn.Parameter(torch.empty(out_features, rank))
+            self.reset_lora()
+
+    @torch.no_grad()
+    def reset_lora(self) -> None:
+        """peft's initialisation: A Kaiming-uniform, B zero, so the update starts at exactly zero."""
+        if self.rank:
+            nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+            nn.init.zeros_(self.lora_b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.rank:
+            y = y + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling
+        return y
+
+
+class KVCache:
+    """Keys and values of every layer, so that generation computes each position once; preallocated.
+
+    It holds only K and V, whose shapes ([B, n_head, T, head_dim]) do not depend on the research switches:
+    the pre-projection changes what K and V are computed from, not their size.
+    """
+
+    def __init__(self, config: GPTConfig, batch: int, max_len: int, device, dtype: torch.dtype):
+        shape = (config.n_layer, batch, config.n_head, max_len, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = 0  # number of positions already written
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of the logits h @ W^T against targets (-100 = ignore), LOSS_CHUNK logits at a time.
+
+    Why not F.cross_entropy(lm_head(h)): with a 50k vocabulary the [tokens, vocab] logits are the largest tensors
+    of a step, and the standard path makes three more of their size (log-softmax, the loss's zero-filled gradient,
+    the log-softmax's gradient). Here each chunk's log-softmax becomes its own gradient, softmax - one_hot, in place
+    while it is at hand, and backward only scales what forward computed. That saves memory (past LOSS_CHUNK the
+    full logits never exist) and two passes over them. It equals the standard path to float rounding (tests).
+    """
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_enabled: bool):
+        need_h, need_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
+        valid = targets != -100
+        scale = 1.0 / valid.sum().clamp(min=1)
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
+        rows = max(1, LOSS_CHUNK // weight.size(0))
+        for i in range(0, len(h), rows):
+            h_c = h[i:i + rows]
+            t_c = targets[i:i + rows].clamp(min=0).unsqueeze(1)  # ignored rows pick any column, weighted 0
+            w_row = (valid[i:i + rows] * scale).unsqueeze(1)  # each row's weight in the mean: 1 / n_valid or 0
+            logp = torch.log_softmax((h_c @ weight.T).float(), dim=-1)
+            loss -= (logp.gather(1, t_c) * w_row).sum()
+            if need_h or need_w:  # d loss / d logits = (softmax - one_hot) * w_row, the row weights applied to
+                g = logp.exp_().scatter_add_(1, t_c, -torch.ones_like(w_row)).to(h.dtype)  # the small operands
+                if need_h:
+                    grad_h[i:i + rows] = (g @ weight) * w_row
+                if need_w:  # beta=0 on the first chunk: the empty buffer is written, not read
+                    grad_w.addmm_(g.T.float(), (h_c * w_row).float(), beta=float(i > 0))
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.w_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors  # ours alone: scaled in place
+        return (None if grad_h is None else grad_h.mul_(grad_loss.to(grad_h.dtype)),
+                None if grad_w is None else grad_w.mul_(grad_loss).to(ctx.w_dtype), None, None)

@@ -11,9 +11,10 @@ import argparse
 
 import torch
 
-from checkpoint import DTYPES, CheckpointError, add_model_args, load_model, switches_of
+from checkpoint import CheckpointError, load_model
+from cli import DTYPES, add_model_args, switches_of
 from data.sources import DataError
-from eval_lambada import encode, eot_id
+from evaluation import encode, eot_id
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -7,18 +7,17 @@ One training loop for the frozen probe (the paper's experiment), full fine-tunin
     torchrun --nproc_per_node=2 train.py --preproj --skip         # the same result on several processes
 
 Whenever the base is pre-trained (anything but scratch), only the new parameters train unless --full_finetune.
-The embedded base (`--init_from nano`) is pre-trained by this same loop on first use and cached in out/nano-base.
+The embedded base (`--init_from nano`) does not ship as weights: the first run pre-trains it with this same loop
+(NANO_RECIPE, a step of its own that main() prints) and caches it in out/nano-base.
 """
 
 import argparse
-import ctypes
 import json
 import math
 import os
-import shlex
-import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,25 +26,37 @@ import torch.distributed as dist
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from checkpoint import (NANO_DIR, ROOT, CheckpointError, add_model_args, load_model, read_checkpoint,
-                        save_checkpoint, save_run_file, switches_of)
-from data.prepare import (NANO_DATA, is_nano_tokenizer, load_nano_split, prepare_nano, split_tokens,
-                          wikitext103_probe_lines)
+from checkpoint import (
+    NANO_DIR,
+    ROOT,
+    RUN_SETTINGS,
+    CheckpointError,
+    load_model,
+    read_checkpoint,
+    run_name,
+    save_checkpoint,
+    save_run_file,
+)
+from cli import add_model_args, format_table, keep_freed_memory, switches_of
+from data.prepare import (
+    NANO_DATA,
+    is_nano_tokenizer,
+    load_nano_split,
+    prepare_nano,
+    split_tokens,
+    wikitext103_probe_lines,
+)
 from data.sources import DataError
-from eval_lambada import TASKS, evaluate
+from evaluation import TASKS, evaluate, val_loss
 from model import GPT, GPTConfig
 
-# The embedded base: `python train.py` runs this command first when out/nano-base does not exist yet.
+# The embedded base, pre-trained from scratch on the public-domain corpus the first time it is needed.
 NANO_RECIPE = ("--init_from scratch --n_layer 6 --n_head 3 --n_embd 192 --block_size 256 --max_iters 600 "
                "--batch_size 16 --lr 2e-3 --min_lr 2e-4 --warmup_iters 30 --weight_decay 0.1 --beta2 0.95")
 # The paper's probe recipe (PAPER.md): lr 1e-5, 500 steps, effective batch 16, 512 tokens, 50 warm-up, seed 42.
 PAPER_RECIPE = dict(lr=1e-5, min_lr=0.0, max_iters=500, batch_size=16, grad_accum=1, seq_len=512,
                     warmup_iters=50, seed=42, weight_decay=0.0, beta2=0.999, data="wikitext103")
-# The settings that define what a run trains (runs differing only in seed are repetitions of one experiment) ...
-RUN_SETTINGS = ("init_from", "preproj", "skip", "lora_rank", "lora_alpha", "seed", "max_iters", "batch_size",
-                "grad_accum", "seq_len", "lr", "min_lr", "warmup_iters", "weight_decay", "beta2", "grad_clip",
-                "full_finetune", "pure_bf16", "data", "n_layer", "n_head", "n_embd", "block_size")
-# ... and all that a resumed run takes from its checkpoint, so that it continues exactly.
+# All that a resumed run takes from its checkpoint, so that it continues exactly.
 RESUMED = RUN_SETTINGS + ("eval_interval", "eval_tokens", "ckpt_interval", "eval_tasks", "hellaswag_limit")
 
 
@@ -57,7 +68,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--resume", action="store_true", help="continue the run in --out_dir exactly where it stopped")
     g.add_argument("--stop_at", type=int, default=0, help="end this invocation after this step (resume later)")
     g.add_argument("--full_finetune", action="store_true", help="train every weight, not only the new ones")
-    g.add_argument("--paper", action="store_true", help="the paper's probe recipe (see PAPER_RECIPE)")
+    g.add_argument("--paper", action="store_true",
+                   help="the paper's probe recipe (PAPER_RECIPE) as defaults; flags given explicitly still win")
     g.add_argument("--pure_bf16", action="store_true",
                    help="hold trainable weights in bf16, no fp32 master (as the paper)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -85,12 +97,9 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--n_head", type=int, default=3)
     g.add_argument("--n_embd", type=int, default=192)
     g.add_argument("--block_size", type=int, default=256)
-    args = p.parse_args(argv)
-    if args.paper:
-        for k, v in PAPER_RECIPE.items():
-            if f"--{k}" not in (argv if argv is not None else sys.argv):
-                setattr(args, k, v)
-    return args
+    if p.parse_known_args(argv)[0].paper:  # the recipe becomes the defaults, so any form of a flag overrides it
+        p.set_defaults(**PAPER_RECIPE)
+    return p.parse_args(argv)
 
 
 # --- data: every batch is a pure function of (seed, step), so runs resume and split across processes exactly ---
@@ -130,23 +139,6 @@ def load_data(args, tokenizer: Tokenizer) -> tuple[object, dict[str, np.ndarray]
     return split_tokens("probe", tokenizer, args.mirror), vals
 
 
-@torch.no_grad()
-def val_loss(model: GPT, stream: np.ndarray, seq_len: int, max_tokens: int, device: str, ctx) -> float:
-    """Mean next-token loss over consecutive windows of a held-out stream (the first max_tokens tokens)."""
-    model.eval()
-    n = min(max_tokens, len(stream) - 1) // seq_len
-    total = 0.0
-    for i in range(0, n, 8):
-        rows = range(i, min(i + 8, n))
-        chunk = torch.stack([torch.from_numpy(stream[r * seq_len:(r + 1) * seq_len + 1].astype(np.int64))
-                             for r in rows]).to(device)
-        with ctx:
-            _, loss = model(chunk[:, :-1], chunk[:, 1:])
-        total += loss.item() * len(rows)
-    model.train()
-    return total / n
-
-
 def lr_at(step: int, args) -> float:
     """Linear warm-up, then cosine decay from lr to min_lr at max_iters."""
     if step < args.warmup_iters:
@@ -155,15 +147,31 @@ def lr_at(step: int, args) -> float:
     return args.min_lr + 0.5 * (1 + math.cos(math.pi * min(t, 1.0))) * (args.lr - args.min_lr)
 
 
-def ensure_nano_base(args) -> None:
-    """Pre-train the embedded base with NANO_RECIPE the first time it is needed."""
-    if (NANO_DIR / "ckpt.pt").is_file():
-        return
-    cmd = f"{NANO_RECIPE} --out_dir {NANO_DIR} --seed {args.seed} --device {args.device}"
-    if args.mirror:
-        cmd += f" --mirror {shlex.quote(args.mirror)}"
-    print(f"pre-training the embedded base first: python train.py {cmd}")
-    train(get_args(shlex.split(cmd)))
+# --- set-up: everything the loop needs, in one place ---
+
+@dataclass
+class Run:
+    """One training job, ready to step: the model, its optimizer and data, and where it writes."""
+    args: argparse.Namespace
+    out_dir: Path
+    model: GPT
+    step_model: torch.nn.Module  # the model as the loop calls it: compiled and/or wrapped for DDP
+    tokenizer: Tokenizer
+    optimizer: torch.optim.Optimizer
+    train_data: object
+    vals: dict[str, np.ndarray]
+    base_ref: dict | None  # what a probe re-attaches to
+    base_model: GPT | None  # the untouched base, for side-by-side numbers at the end
+    probe: bool
+    rank: int
+    world: int
+    device: str
+    ctx: object  # autocast, or nothing
+    step: int = 0
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
 
 
 def setup_distributed(device: str) -> tuple[int, int, str]:
@@ -171,12 +179,25 @@ def setup_distributed(device: str) -> tuple[int, int, str]:
     if "RANK" not in os.environ:
         return 0, 1, device
     cuda = device.startswith("cuda")
-    dist.init_process_group(backend="nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
     if cuda:
         device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
         torch.cuda.set_device(device)
-    return rank, world, device
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def run_folder(args) -> Path:
+    """The run folder; a resumed run takes back its own settings, whatever else the command line says."""
+    out_dir = Path(args.out_dir or ROOT / "out" / run_name(vars(args)))
+    if args.resume:
+        saved = read_checkpoint(out_dir)["train_args"]
+        for k in RESUMED:
+            setattr(args, k, saved[k])
+    elif (out_dir / "ckpt.pt").exists():
+        raise SystemExit(f"error: {out_dir} already holds a run; pass --resume to continue it or pick another "
+                         f"--out_dir")
+    return out_dir
 
 
 def build_model(args) -> tuple[GPT, Tokenizer, dict | None, GPT | None]:
@@ -188,6 +209,8 @@ def build_model(args) -> tuple[GPT, Tokenizer, dict | None, GPT | None]:
         model = GPT(GPTConfig(vocab_size=tokenizer.get_vocab_size(), block_size=args.block_size,
                               n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, **switches))
         return model, tokenizer, None, None
+    if args.init_from == "nano":
+        prepare_nano(args.mirror)
     model, tokenizer, base_ref = load_model(args.init_from, **switches, mirror=args.mirror)
     base_model, _, _ = load_model(args.init_from, mirror=args.mirror)
     return model, tokenizer, base_ref, base_model
@@ -202,49 +225,18 @@ def make_optimizer(model: GPT, args) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, args.beta2), fused=True)
 
 
-def accumulate_gradients(train_model, x: torch.Tensor, y: torch.Tensor, args, world: int, ctx) -> float:
-    """Forward and backward over this process's rows in --grad_accum micro-batches; returns the step's mean loss
-    over every process. DDP averages the gradients once, on the last micro-batch."""
-    micro = len(x) // args.grad_accum
-    loss_sum = torch.zeros((), device=x.device)
-    for m in range(args.grad_accum):
-        sync = m == args.grad_accum - 1 or world == 1
-        with (nullcontext() if sync else train_model.no_sync()), ctx:
-            _, loss = train_model(x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro])
-            (loss / args.grad_accum).backward()
-        loss_sum += loss.detach() / args.grad_accum
-    if world > 1:
-        dist.all_reduce(loss_sum)
-        loss_sum /= world
-    return loss_sum.item()
-
-
-def train(args) -> tuple[GPT, dict]:
-    """Run one training job; returns the model and the final metrics.
+def setup_run(args) -> Run:
+    """Check the request, then build the model, optimizer and data; a resumed run restores its state.
 
     Bad input raises SystemExit with a one-line message before anything is written."""
     unknown = [t for t in bench_settings(args)["tasks"] if t not in TASKS]
     if unknown:
         raise SystemExit(f"error: unknown --eval_tasks entry {unknown[0]!r}; choose from {', '.join(TASKS)} or none")
     rank, world, device = setup_distributed(args.device)
-    master = rank == 0
     if args.batch_size % (world * args.grad_accum):
         raise SystemExit(f"error: --batch_size {args.batch_size} must divide into {world} processes x "
                          f"{args.grad_accum} micro-batches")
-    out_dir = Path(args.out_dir or ROOT / "out" / run_name(args))
-    if args.resume:  # the run continues with its own settings, whatever else the command line says
-        saved = read_checkpoint(out_dir)
-        for k in RESUMED:
-            setattr(args, k, saved["train_args"][k])
-    elif (out_dir / "ckpt.pt").exists():
-        raise SystemExit(f"error: {out_dir} already holds a run; pass --resume to continue it or pick another "
-                         f"--out_dir")
-    if args.init_from == "nano":
-        prepare_nano(args.mirror)
-        if master:
-            ensure_nano_base(args)
-        if world > 1:
-            dist.barrier()
+    out_dir = run_folder(args)
     torch.manual_seed(args.seed)
     model, tokenizer, base_ref, base_model = build_model(args)
     probe = args.init_from != "scratch" and not args.full_finetune
@@ -253,97 +245,132 @@ def train(args) -> tuple[GPT, dict]:
             raise SystemExit("error: a frozen probe needs something to train: add --preproj, --skip or --lora_rank "
                              "(or pass --full_finetune)")
         model.freeze_base()
-    args.seq_len = seq_len = args.seq_len or model.config.block_size
-    if seq_len > model.config.block_size:
-        raise SystemExit(f"error: --seq_len {seq_len} is beyond the model's {model.config.block_size} positions; "
-                         f"use at most {model.config.block_size}")
+    args.seq_len = args.seq_len or model.config.block_size
+    if args.seq_len > model.config.block_size:
+        raise SystemExit(f"error: --seq_len {args.seq_len} is beyond the model's {model.config.block_size} "
+                         f"positions; use at most {model.config.block_size}")
     train_data, vals = load_data(args, tokenizer)
-
     model.to(device)
     if args.pure_bf16:  # the paper's precision: weights and optimizer state in bf16, no fp32 master copy
         model.to(torch.bfloat16)
-    cuda = device.startswith("cuda")
-    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and not args.pure_bf16 else nullcontext()
-    opt = make_optimizer(model, args)
-    step = 0
+    cuda_autocast = device.startswith("cuda") and not args.pure_bf16
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda_autocast else nullcontext()
+    run = Run(args, out_dir, model, model, tokenizer, make_optimizer(model, args), train_data, vals, base_ref,
+              base_model, probe, rank, world, device, ctx)
     if args.resume:
+        saved = read_checkpoint(out_dir)
         model.load_state_dict({k: v.to(device) for k, v in saved["model"].items()}, strict=not probe)
-        opt.load_state_dict(saved["optimizer"])
-        step = saved["step"]
-    base_losses = {}
-    if base_model is not None and master:
-        base_losses = {n: val_loss(base_model.to(device), s, seq_len, args.eval_tokens, device, ctx)
-                       for n, s in vals.items()}
-        base_model.cpu()
-    train_model = torch.compile(model) if args.compile else model
+        run.optimizer.load_state_dict(saved["optimizer"])
+        run.step = saved["step"]
+    run.step_model = torch.compile(model) if args.compile else model
     if world > 1:
-        train_model = torch.nn.parallel.DistributedDataParallel(train_model)
+        run.step_model = torch.nn.parallel.DistributedDataParallel(run.step_model)
+    return run
 
-    if master:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        print(f"{'probe' if probe else 'training'} {model.num_params('trainable'):,} of {model.num_params():,} "
-              f"parameters on {device} x{world}; {args.batch_size} x {seq_len} tokens per step -> {out_dir}")
-    log = open(out_dir / "metrics.jsonl", "a") if master else None
-    last_saved = step
-    rows = args.batch_size // world  # this process's share of every batch
-    bar = tqdm(total=args.max_iters, initial=step, disable=not master, dynamic_ncols=True)
-    t0, tokens = time.time(), 0
+
+# --- the loop ---
+
+def accumulate_gradients(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Forward and backward over this process's rows in --grad_accum micro-batches; returns the step's mean loss
+    over every process. DDP averages the gradients once, on the last micro-batch."""
+    accum = run.args.grad_accum
+    micro = len(x) // accum
+    loss_sum = torch.zeros((), device=x.device)
+    for m in range(accum):
+        sync = m == accum - 1 or run.world == 1
+        with (nullcontext() if sync else run.step_model.no_sync()), run.ctx:
+            _, loss = run.step_model(x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro])
+            (loss / accum).backward()
+        loss_sum += loss.detach() / accum
+    if run.world > 1:
+        dist.all_reduce(loss_sum)
+        loss_sum /= run.world
+    return loss_sum.item()
+
+
+def val_losses(run: Run, model: GPT) -> dict[str, float]:
+    """Held-out loss of a model on every validation stream of the run."""
+    return {name: val_loss(model, stream, run.args.seq_len, run.args.eval_tokens, run.ctx)
+            for name, stream in run.vals.items()}
+
+
+def save(run: Run) -> None:
+    save_checkpoint(run.out_dir, run.model, probe=run.probe, base_ref=run.base_ref, step=run.step,
+                    optimizer_state=run.optimizer.state_dict(), extra={"train_args": vars(run.args)},
+                    tokenizer=run.tokenizer)
+
+
+def train(args) -> tuple[GPT, dict]:
+    """Run one training job; returns the model and the final metrics (empty when it stops early)."""
+    run = setup_run(args)
+    args, model, opt = run.args, run.model, run.optimizer
+    base_losses = {}
+    if run.base_model is not None and run.master:
+        base_losses = val_losses(run, run.base_model.to(run.device))
+        run.base_model.cpu()
+    if run.master:
+        run.out_dir.mkdir(parents=True, exist_ok=True)
+        print(f"{'probe' if run.probe else 'training'} {model.num_params('trainable'):,} of {model.num_params():,} "
+              f"parameters on {run.device} x{run.world}; {args.batch_size} x {args.seq_len} tokens per step "
+              f"-> {run.out_dir}")
+    log = open(run.out_dir / "metrics.jsonl", "a") if run.master else None
+    bar = tqdm(total=args.max_iters, initial=run.step, disable=not run.master, dynamic_ncols=True)
+    rows = args.batch_size // run.world  # this process's share of every batch
+    last_saved, t0, tokens = run.step, time.time(), 0
     model.train()
-    while step < args.max_iters and not (args.stop_at and step >= args.stop_at):
-        lr = lr_at(step, args)
+    while run.step < args.max_iters and not (args.stop_at and run.step >= args.stop_at):
+        lr = lr_at(run.step, args)
         for group in opt.param_groups:
             group["lr"] = lr
-        x, y = global_batch(train_data, step, args.batch_size, seq_len, args.seed)
-        x, y = x[rank * rows:(rank + 1) * rows].to(device), y[rank * rows:(rank + 1) * rows].to(device)
-        loss_value = accumulate_gradients(train_model, x, y, args, world, ctx)
-        if not math.isfinite(loss_value):
+        x, y = global_batch(run.train_data, run.step, args.batch_size, args.seq_len, args.seed)
+        x, y = x[run.rank * rows:(run.rank + 1) * rows].to(run.device), y[run.rank * rows:(run.rank + 1) * rows]
+        loss = accumulate_gradients(run, x, y.to(run.device))
+        if not math.isfinite(loss):
             bar.close()
-            raise SystemExit(f"error: the loss became {loss_value} at step {step + 1}; stopped without saving. "
-                             f"The last good checkpoint (step {last_saved}) is kept in {out_dir}; lower --lr")
+            raise SystemExit(f"error: the loss became {loss} at step {run.step + 1}; stopped without saving. "
+                             f"The last good checkpoint (step {last_saved}) is kept in {run.out_dir}; lower --lr")
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        step += 1
-        tokens += int((y != -100).sum()) * world
-        if master:
-            tps = tokens / (time.time() - t0)
-            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tps:,.0f}")
-            bar.update(1)
-            record = {"step": step, "loss": loss_value, "lr": lr, "tok_per_s": round(tps)}
-            if step % args.eval_interval == 0 or step == args.max_iters:
-                record.update({f"{n}_loss": val_loss(model, s, seq_len, args.eval_tokens, device, ctx)
-                               for n, s in vals.items()})
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            if step % args.ckpt_interval == 0 or step == args.max_iters or step == args.stop_at:
-                save_checkpoint(out_dir, model, probe=probe, base_ref=base_ref, step=step,
-                                optimizer_state=opt.state_dict(), extra={"train_args": vars(args)},
-                                tokenizer=tokenizer)
-                last_saved = step
+        run.step += 1
+        tokens += int((y != -100).sum()) * run.world
+        if not run.master:
+            continue
+        tok_s = tokens / (time.time() - t0)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
+        bar.update(1)
+        record = {"step": run.step, "loss": loss, "lr": lr, "tok_per_s": round(tok_s)}
+        if run.step % args.eval_interval == 0 or run.step == args.max_iters:
+            record.update({f"{n}_loss": v for n, v in val_losses(run, model).items()})
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+        if run.step % args.ckpt_interval == 0 or run.step in (args.max_iters, args.stop_at):
+            save(run)
+            last_saved = run.step
     bar.close()
-    if world > 1:
-        dist.destroy_process_group()
-    if not master or step < args.max_iters:
+    if not run.master or run.step < args.max_iters:
         return model, {}
-    results = final_report(model, base_model, base_losses, tokenizer, vals, args, device, ctx)
-    save_run_file(out_dir, "eval.json", {**results, "step": step})
+    results = final_report(run, base_losses)
+    save_run_file(run.out_dir, "eval.json", {**results, "step": run.step})
     return model, results
 
 
-def final_report(model: GPT, base_model: GPT | None, base_losses: dict, tokenizer: Tokenizer,
-                 vals: dict[str, np.ndarray], args, device: str, ctx) -> dict:
+# --- the report at the end: frozen base and trained model side by side ---
+
+def final_report(run: Run, base_losses: dict) -> dict:
     """Validation losses and lm-eval benchmarks of the frozen base and the trained model, printed side by side."""
-    final = {n: val_loss(model, s, args.seq_len, args.eval_tokens, device, ctx) for n, s in vals.items()}
+    final = val_losses(run, run.model)
     print_side_by_side("validation loss", {n: (base_losses.get(n), v) for n, v in final.items()})
-    results = {"val_loss": {"base": base_losses, "trained": final}, "benchmarks": {"settings": bench_settings(args)}}
-    if not bench_settings(args)["tasks"]:
+    settings = bench_settings(run.args)
+    results = {"val_loss": {"base": base_losses, "trained": final}, "benchmarks": {"settings": settings}}
+    if not settings["tasks"]:
         return results
     try:
-        results["benchmarks"]["trained"] = run_benchmarks(model, tokenizer, args)
-        if base_model is not None:
-            results["benchmarks"]["base"] = base_benchmarks(base_model.to(device), tokenizer, args)
-            base_model.cpu()
+        results["benchmarks"]["trained"] = run_benchmarks(run.model, run.tokenizer, run.args)
+        if run.base_model is not None:
+            results["benchmarks"]["base"] = base_benchmarks(run.base_model.to(run.device), run.tokenizer, run.args)
+            run.base_model.cpu()
         print_benchmarks(results["benchmarks"])
     except ValueError as e:  # e.g. a window too short for HellaSwag's endings; the checkpoint is saved
         results["benchmarks"]["error"] = str(e)
@@ -378,10 +405,8 @@ def base_benchmarks(base_model: GPT, tokenizer: Tokenizer, args) -> dict:
 
 
 def print_side_by_side(title: str, rows: dict[str, tuple]) -> None:
-    fmt = lambda v: "-" if v is None else f"{v:.4f}" if abs(v) < 1e4 else f"{v:.4g}"  # noqa: E731
-    print(f"{title:<34}{'frozen base':>14}{'trained':>14}")
-    for name, (base, trained) in rows.items():
-        print(f"{name:<34}{fmt(base):>14}{fmt(trained):>14}")
+    print(format_table([title, "frozen base", "trained"], [[name, base, trained]
+                                                           for name, (base, trained) in rows.items()]))
 
 
 def print_benchmarks(bench: dict) -> None:
@@ -393,37 +418,28 @@ def print_benchmarks(bench: dict) -> None:
     print_side_by_side("benchmark (lm-eval)", rows)
 
 
-def run_name(args) -> str:
-    base = "scratch" if args.init_from == "scratch" else Path(args.init_from.rstrip("/")).name
-    parts = [base] + [s for s in ("preproj", "skip") if getattr(args, s)]
-    parts += [f"lora{args.lora_rank}"] if args.lora_rank else []
-    parts += ["fullft"] if args.full_finetune else []
-    return "-".join(parts)
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc to keep freed memory for reuse instead of handing it back to the operating system.
-
-    A training step frees and re-allocates the same activations every time. By default glibc returns blocks over
-    32 MB, and a free heap top over 64 MB, to the OS, so the next step page-faults and zeroes them all over again:
-    on 2 CPU cores that cost up to ~15% of a pythia-160m pre-proj + skip step (README, "Performance").
-    PyTorch's caching allocator does this on CUDA; this is the CPU counterpart. Linux with glibc only; returns
-    whether it took effect.
-    """
-    if sys.platform != "linux":
-        return False
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
-    return bool(mallopt) and mallopt(m_mmap_threshold, 2**30) == 1 and mallopt(m_trim_threshold, 2**30) == 1
+def nano_base_args(args) -> argparse.Namespace | None:
+    """The command that pre-trains the embedded base, when this run needs it and it is not built yet."""
+    if args.init_from != "nano" or args.resume or (NANO_DIR / "ckpt.pt").is_file():
+        return None
+    argv = NANO_RECIPE.split() + ["--out_dir", str(NANO_DIR), "--seed", str(args.seed), "--device", args.device]
+    return get_args(argv + (["--mirror", args.mirror] if args.mirror else []))
 
 
 def main() -> None:
     args = get_args()
     keep_freed_memory()
     try:
+        base_args = nano_base_args(args)
+        if base_args is not None:  # step 1 of 2: the embedded base, once; later runs load it from out/nano-base
+            print(f"pre-training the embedded base first (once): python train.py {NANO_RECIPE} --out_dir {NANO_DIR}")
+            train(base_args)
         train(args)
     except (CheckpointError, DataError) as e:
         raise SystemExit(f"error: {e}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from data.sources import CACHE, DataError, download, fetch, fetch_folder, sha256
+from data.sources import CACHE, DataError, download, fetch, fetch_folder, sha256, write_atomic
 
 NANO_DATA = CACHE / "nano"
 EOT = "<|endoftext|>"
@@ -92,8 +92,7 @@ def prepare_nano(mirror: str | None = None, force: bool = False) -> Path:
         stream.tofile(NANO_DATA / f"{name}.bin")
         meta["splits"][name] = {"tokens": int(stream.size),
                                 "files": {f"{p.parent.name}/{p.name}": sha256(p) for p in splits[name]}}
-    (NANO_DATA / ".meta.json.tmp").write_text(json.dumps(meta, indent=2))
-    (NANO_DATA / ".meta.json.tmp").replace(meta_path)  # written last: its presence means the folder is complete
+    write_atomic(meta_path, json.dumps(meta, indent=2))  # written last: its presence means the folder is complete
     return NANO_DATA
 
 
@@ -126,14 +125,11 @@ def wikitext103_probe_lines(tok: Tokenizer, n_lines: int = 2000, min_chars: int 
     tokenised and cut to max_tokens. Downloaded (about 190 MB) and cached; needs network."""
     path = CACHE / "downloads" / "wikitext-103-raw-v1.zip"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
         try:
-            tmp.write_bytes(download(WIKITEXT103))
+            write_atomic(path, download(WIKITEXT103))
         except DataError as e:
             raise DataError(f"the paper's probe text (WikiText-103 train) needs network and is not in the "
                             f"mirror; offline, pass --data corpus ({e})") from e
-        tmp.replace(path)
     lines = []
     with zipfile.ZipFile(path) as z, z.open("wikitext-103-raw/wiki.train.raw") as f:
         for raw in io.TextIOWrapper(f, encoding="utf-8"):

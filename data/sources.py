@@ -13,6 +13,7 @@ import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 MIRROR_ENV = "PREPROJ_MIRROR"
 CACHE = Path(__file__).resolve().parent / "cache"
@@ -73,10 +74,16 @@ def download(url: str) -> bytes:
         raise DataError(f"could not download {url} ({e}); offline, set {MIRROR_ENV} to a data mirror") from e
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, content: bytes | str | Callable[[Path], None]) -> None:
+    """Write a file so that no reader ever sees half of it: into a hidden temp file beside it, then a rename.
+    content is bytes, text (UTF-8), or a function that writes to the path it is given (e.g. torch.save)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
+    tmp = path.with_name(f".{path.name}.tmp")
+    if callable(content):
+        content(tmp)
+    else:
+        tmp.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
     os.replace(tmp, path)
 
 
@@ -94,7 +101,7 @@ def fetch(relpath: str, mirror: str | None = None) -> Path:
             data = download(src.url)
             if src.member:
                 data = zipfile.ZipFile(io.BytesIO(data)).read(src.member)
-            _write_atomic(path, data)
+            write_atomic(path, data)
     if src.sha256 and sha256(path) != src.sha256:
         raise DataError(f"{path} has the wrong sha256 (expected {src.sha256[:12]}...); "
                         f"it is corrupt or another version: replace it with the file from {src.url}")
@@ -110,7 +117,7 @@ def fetch_folder(name: str, mirror: str | None = None) -> list[Path]:
             for member in z.namelist():
                 if member.endswith(".txt") and "README" not in member:
                     text = z.read(member).decode("utf-8", errors="replace")  # a few upstream files are Latin-1
-                    _write_atomic(folder / os.path.basename(member), text.encode("utf-8"))
+                    write_atomic(folder / os.path.basename(member), text.encode("utf-8"))
     files = sorted(folder.glob("*.txt")) if folder.is_dir() else []
     if not files:
         raise DataError(f"corpus/{name}/ is missing or empty in {folder.parent.parent}; get it from {FOLDERS[name]}")

@@ -25,8 +25,8 @@ def hand_built(**switches) -> GPT:
 
 
 def measure(model: GPT) -> tuple[dict, list[float]]:
-    shares, loss = analyze_layers.skip_shares(model, STREAM, SEQ, TOKENS, "cpu")
-    return shares, analyze_layers.causal_weights(model, STREAM, SEQ, TOKENS, "cpu", loss)
+    shares, loss = analyze_layers.skip_shares(model, STREAM, SEQ, TOKENS)
+    return shares, analyze_layers.causal_weights(model, STREAM, SEQ, TOKENS, loss)
 
 
 def test_zeroed_skip_has_share_and_causal_weight_zero():
@@ -48,7 +48,7 @@ def test_share_matches_a_hand_computation():
         x = model.wte(idx)
         x_hat = F.layer_norm(x, (16,), eps=model.config.layer_norm_eps)
         attn_out = model.blocks[0].attn(x_hat, *model.rotary(0, SEQ, x.dtype))
-    shares, _ = analyze_layers.skip_shares(model, STREAM, SEQ, TOKENS, "cpu")
+    shares, _ = analyze_layers.skip_shares(model, STREAM, SEQ, TOKENS)
     skip = x_hat.norm(dim=-1)
     assert shares["share_x"][0] == pytest.approx((skip / x.norm(dim=-1)).mean().item(), rel=1e-5)
     assert shares["share_attn"][0] == pytest.approx((skip / attn_out.norm(dim=-1)).mean().item(), rel=1e-5)
@@ -60,10 +60,10 @@ def test_scaled_skip_scales_norm_and_share():
     init = analyze_layers.expected_init_norms(model)
     for key in ("norm_skip", "norm_up", "norm_down"):  # a fresh model sits at the expected initial norm
         assert all(v == pytest.approx(init[key], rel=0.1) for v in norms[key]), key
-    shares, _ = analyze_layers.skip_shares(model, STREAM, SEQ, TOKENS, "cpu")
+    shares, _ = analyze_layers.skip_shares(model, STREAM, SEQ, TOKENS)
     with torch.no_grad():
         model.blocks[0].w_skip.weight.mul_(3.0)
-    scaled, _ = analyze_layers.skip_shares(model, STREAM, SEQ, TOKENS, "cpu")
+    scaled, _ = analyze_layers.skip_shares(model, STREAM, SEQ, TOKENS)
     assert analyze_layers.weight_norms(model)["norm_skip"][0] == pytest.approx(3 * norms["norm_skip"][0], rel=1e-6)
     # layer 0's x and attn_out do not depend on its own W_skip, so its shares scale exactly
     for key in ("share_attn", "share_x"):

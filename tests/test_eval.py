@@ -3,14 +3,14 @@
 import json
 import math
 import shutil
-import sys
 
 import pytest
 import torch
-from conftest import make_hf_model
 from tokenizers import Tokenizer
 
-import eval_lambada as ev
+import eval_lambada
+import evaluation as ev
+from conftest import make_hf_model
 from data import benchmarks
 from data.sources import DataError
 from load_pythia import load_pythia
@@ -154,7 +154,7 @@ def test_known_answers():
              ([0], [best[0], best[0]]),  # an empty context is <|endoftext|> (0 here): greedy twice
              ([1, 2, 3, 4, 5], [6, 7, 8])]  # 8 tokens > window + 1 = 7: the context loses its first token
     scores = ev.score_pairs(lm, cases, batch_size=2)
-    for (ctx, cont), s, first in zip(cases, scores, [3, 0, 2]):
+    for (_, cont), s, first in zip(cases, scores, [3, 0, 2]):
         assert s.logprob == pytest.approx(sum(lm.logp(first, t) for t in cont), abs=1e-5)
         assert s.greedy == all(t == best[first] for t in cont) and s.n_tokens == len(cont)
     assert scores[1].greedy
@@ -184,8 +184,7 @@ def test_tokenisation_follows_lm_eval(setup, mirror):
 # --- the command line and bad inputs ---
 
 def run_cli(monkeypatch, *args) -> None:
-    monkeypatch.setattr(sys, "argv", ["eval_lambada.py", *args])
-    ev.main()
+    eval_lambada.main(list(args))
 
 
 def test_cli_writes_json(setup, mirror, tmp_path, monkeypatch, capsys):

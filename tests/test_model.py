@@ -5,8 +5,8 @@ import os
 
 import pytest
 import torch
-from conftest import hub_names, make_hf_model, save_old_style
 
+from conftest import hub_names, make_hf_model, save_old_style
 from load_pythia import load_pythia, load_tokenizer
 from model import GPT, GPTConfig, KVCache
 
@@ -125,7 +125,7 @@ def test_switches_combine_independently():
                 no_logits, loss = m(x, x)
                 assert logits.shape == (3, 17, 128) and no_loss is None and no_logits is None
                 assert torch.isfinite(loss)
-                assert hasattr(m.blocks[0], "w_up") == preproj and hasattr(m.blocks[0], "w_skip") == skip
+                assert (m.blocks[0].w_up is not None) == preproj and (m.blocks[0].w_skip is not None) == skip
 
 
 def test_skip_without_preproj_reads_x_hat():

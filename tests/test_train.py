@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
-from conftest import MICRO, ROOT, losses, make_hf_model, run
 
 from checkpoint import CheckpointError, load_model, read_checkpoint
+from conftest import MICRO, ROOT, losses, make_hf_model, run
 from data.sources import DataError, fetch
 
 
@@ -177,7 +177,7 @@ def test_pure_bf16_probe(micro_base, tmp_path):
 
 
 def test_run_ends_with_benchmarks_for_base_and_trained(micro_base, tmp_path):
-    from eval_lambada import evaluate
+    from evaluation import evaluate
     out = tmp_path / "bench"
     model, results = run(f"--init_from {micro_base} --skip {MICRO} --max_iters 2 --eval_tasks lambada "
                          f"--out_dir {out}")
