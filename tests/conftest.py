@@ -68,10 +68,11 @@ def tiny_hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def mirror():
-    """The offline data mirror (PREPROJ_MIRROR); tests that read real data need it."""
+    """The offline data mirror (PREPROJ_MIRROR); tests that read real data need it and skip without it.
+    CI never skips them: .ci/run stops when the mirror is missing."""
     path = os.environ.get("PREPROJ_MIRROR")
     if not path or not os.path.isdir(path):
-        pytest.fail("set PREPROJ_MIRROR to the offline data mirror folder (see README, 'Data')")
+        pytest.skip("needs the offline data mirror: set PREPROJ_MIRROR (see README, 'Data')")
     return path
 
 
