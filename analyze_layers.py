@@ -35,6 +35,7 @@ from data.prepare import split_tokens
 from data.sources import DataError
 from evaluation import val_loss
 from model import GPT
+from precision import DTYPES, for_inference, resolve_dtype
 
 DEFAULT_RUN = ROOT / "out" / "nano-preproj-skip"
 
@@ -98,8 +99,8 @@ def expected_init_norms(model: GPT) -> dict[str, float]:
 
 
 @torch.no_grad()
-def skip_shares(model: GPT, stream: np.ndarray, seq_len: int,
-                max_tokens: int) -> tuple[dict[str, list[float]], float]:
+def skip_shares(model: GPT, stream: np.ndarray, seq_len: int, max_tokens: int,
+                ctx=None) -> tuple[dict[str, list[float]], float]:
     """Per layer, the mean over held-out tokens of ‖W_skip·x̃‖/‖attn_out‖ and ‖W_skip·x̃‖/‖x‖; and the loss.
 
     Hooks read the tensors the block's own forward computes (x as it enters the block, attn_out, W_skip·x̃), so
@@ -128,22 +129,22 @@ def skip_shares(model: GPT, stream: np.ndarray, seq_len: int,
         handles += [block.register_forward_pre_hook(keep_x(i)), block.attn.register_forward_hook(keep_attn(i)),
                     block.w_skip.register_forward_hook(accumulate(i))]
     try:
-        loss = val_loss(model, stream, seq_len, max_tokens)
+        loss = val_loss(model, stream, seq_len, max_tokens, ctx)
     finally:
         for h in handles:
             h.remove()
     return {k: (v / counts).tolist() for k, v in sums.items()}, loss
 
 
-def causal_weights(model: GPT, stream: np.ndarray, seq_len: int, max_tokens: int,
-                   base_loss: float) -> list[float]:
+def causal_weights(model: GPT, stream: np.ndarray, seq_len: int, max_tokens: int, base_loss: float,
+                   ctx=None) -> list[float]:
     """Per layer, held-out loss with that layer's skip output replaced by zeros, minus the intact loss.
     The same tokens are scored each time, so the differences are paired and not swamped by text noise."""
     out = []
     for block in model.blocks:
         handle = block.w_skip.register_forward_hook(lambda module, args, y: torch.zeros_like(y))
         try:
-            out.append(val_loss(model, stream, seq_len, max_tokens) - base_loss)
+            out.append(val_loss(model, stream, seq_len, max_tokens, ctx) - base_loss)
         finally:
             handle.remove()
     return out
@@ -179,9 +180,9 @@ def identity(arg: str, model: GPT) -> tuple[str, str, str]:
 def analyse(arg: str, args: argparse.Namespace, streams: dict) -> Analysis | None:
     """Every measure that applies to one checkpoint; None (with a note) when none does."""
     model, tokenizer, _ = load_model(arg, mirror=args.mirror)
-    model.to(args.device).eval()
     label, group, group_name = identity(arg, model)
-    values = weight_norms(model)
+    values = weight_norms(model)  # of the weights as trained, before they are cast for computing
+    ctx = for_inference(model, args.device, resolve_dtype(args.dtype, args.device))
     if not values:
         print(f"note: {label} has neither pre-projection nor content skip; nothing to measure, left out")
         return None
@@ -195,9 +196,9 @@ def analyse(arg: str, args: argparse.Namespace, streams: dict) -> Analysis | Non
         streams[key] = split_tokens("val", tokenizer, args.mirror)  # the probe's held-out domain
     seq_len = min(args.seq_len, model.config.block_size)
     a.tokens = min(args.tokens, len(streams[key]) - 1) // seq_len * seq_len
-    shares, a.heldout_loss = skip_shares(model, streams[key], seq_len, args.tokens)
+    shares, a.heldout_loss = skip_shares(model, streams[key], seq_len, args.tokens, ctx)
     a.values.update(shares)
-    a.values["causal"] = causal_weights(model, streams[key], seq_len, args.tokens, a.heldout_loss)
+    a.values["causal"] = causal_weights(model, streams[key], seq_len, args.tokens, a.heldout_loss, ctx)
     return a
 
 
@@ -335,6 +336,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=16384, help="held-out tokens per loss and share measurement")
     p.add_argument("--seq_len", type=int, default=256, help="window length (at most the model's block_size)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="compute precision (auto: bf16 where the device has native bf16 matrix units)")
     p.add_argument("--mirror", default=None, help="offline data mirror folder (default: $PREPROJ_MIRROR)")
     return p.parse_args(argv)
 

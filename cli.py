@@ -10,8 +10,7 @@ import sys
 import torch
 
 from model import SWITCHES
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from precision import DTYPES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -24,8 +23,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora_rank", type=int, default=0, help="LoRA rank on query_key_value and dense (0 = off)")
     p.add_argument("--lora_alpha", type=float, default=0.0, help="LoRA alpha (0 = 2 * rank, as the paper)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                   help="weights' dtype when evaluating or sampling (train.py uses autocast or --pure_bf16)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="compute precision: auto = bf16 where the device has native bf16 matrix units, else fp32 "
+                        "(see precision.py)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--mirror", default=None, help="offline data mirror folder (default: $PREPROJ_MIRROR)")
 

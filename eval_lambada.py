@@ -11,10 +11,11 @@ import argparse
 from pathlib import Path
 
 from checkpoint import CheckpointError, load_model, save_run_file
-from cli import DTYPES, add_model_args, format_table, switches_of
+from cli import add_model_args, format_table, switches_of
 from data.sources import DataError
 from evaluation import TASKS, check_request, evaluate
 from model import SWITCHES
+from precision import dtype_name, for_inference, resolve_dtype
 
 
 def results_table(results: dict) -> str:
@@ -50,8 +51,11 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         check_request(tasks, args.protocol)  # before loading a model that may be large
         model, tokenizer, base_ref = load_model(args.init_from, **switches_of(args), mirror=args.mirror)
-        model.to(device=args.device, dtype=DTYPES[args.dtype])
-        results = evaluate(model, tokenizer, tasks, args.protocol, args.limit, args.batch_size, args.mirror)
+        dtype = resolve_dtype(args.dtype, args.device)
+        args.dtype = dtype_name(dtype)  # recorded as used, not as asked ('auto')
+        print(f"evaluating {args.init_from} in {args.dtype} on {args.device} ({args.protocol} protocol)")
+        with for_inference(model, args.device, dtype, whole_model=args.protocol == "paper"):
+            results = evaluate(model, tokenizer, tasks, args.protocol, args.limit, args.batch_size, args.mirror)
     except (CheckpointError, DataError, ValueError) as e:
         raise SystemExit(f"error: {e}")
     print(results_table(results))

@@ -288,8 +288,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the first cos.shape[-1] dims of each head (rotate-half style); the rest pass through."""
+    """RoPE on the first cos.shape[-1] dims of each head (rotate-half style); the rest pass through.
+    Computed in x's dtype: under bf16 autocast, fp32 cos/sin would promote q and k to fp32."""
     n = cos.shape[-1]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x_rot, x_pass = x[..., :n], x[..., n:]
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
@@ -355,19 +357,30 @@ class LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.empty(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
+        # The matrix products run in the autocast dtype when autocast is on (bf16 on this project's CPUs); the
+        # log-softmax and the loss always in fp32, and grad_w accumulates in fp32 over the chunks.
+        device = h.device.type
+        mm = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        w = weight.to(mm)
         rows = max(1, LOSS_CHUNK // weight.size(0))
         for i in range(0, len(h), rows):
-            h_c = h[i:i + rows]
+            h_c = h[i:i + rows].to(mm)
             t_c = targets[i:i + rows].clamp(min=0).unsqueeze(1)  # ignored rows pick any column, weighted 0
             w_row = (valid[i:i + rows] * scale).unsqueeze(1)  # each row's weight in the mean: 1 / n_valid or 0
-            logp = torch.log_softmax((h_c @ weight.T).float(), dim=-1)
+            logp = torch.log_softmax((h_c @ w.T).float(), dim=-1)
             loss -= (logp.gather(1, t_c) * w_row).sum()
             if need_h or need_w:  # d loss / d logits = (softmax - one_hot) * w_row, the row weights applied to
-                g = logp.exp_().scatter_add_(1, t_c, -torch.ones_like(w_row)).to(h.dtype)  # the small operands
+                g = logp.exp_().scatter_add_(1, t_c, -torch.ones_like(w_row)).to(mm)  # the small operands
                 if need_h:
-                    grad_h[i:i + rows] = (g @ weight) * w_row
-                if need_w:  # beta=0 on the first chunk: the empty buffer is written, not read
-                    grad_w.addmm_(g.T.float(), (h_c * w_row).float(), beta=float(i > 0))
+                    grad_h[i:i + rows] = (g @ w) * w_row
+                if need_w and mm == torch.float32:  # beta=0 on the first chunk: the empty buffer is written, not read
+                    grad_w.addmm_(g.T, h_c * w_row, beta=float(i > 0))
+                elif need_w:  # a bf16 product, accumulated in fp32
+                    g_w = g.T @ (h_c * w_row.to(mm))
+                    if i == 0:
+                        grad_w.copy_(g_w)
+                    else:
+                        grad_w.add_(g_w)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.w_dtype = weight.dtype
         return loss

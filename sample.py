@@ -12,9 +12,10 @@ import argparse
 import torch
 
 from checkpoint import CheckpointError, load_model
-from cli import DTYPES, add_model_args, switches_of
+from cli import add_model_args, switches_of
 from data.sources import DataError
 from evaluation import encode, eot_id
+from precision import for_inference, resolve_dtype
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -31,11 +32,12 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
 def sample(args: argparse.Namespace) -> list[str]:
     """num_samples continuations of the prompt, generated as one batch; reproducible from --seed."""
     model, tokenizer, _ = load_model(args.init_from, **switches_of(args), mirror=args.mirror)
-    model.to(args.device, DTYPES[args.dtype]).eval()
+    ctx = for_inference(model, args.device, resolve_dtype(args.dtype, args.device))
     ids = encode(tokenizer, args.prompt) or [eot_id(tokenizer)]  # an empty prompt starts after <|endoftext|>
     idx = torch.tensor([ids] * args.num_samples, device=args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k or None, generator=generator)
+    with ctx:
+        out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k or None, generator=generator)
     return [tokenizer.decode(row.tolist()) for row in out]
 
 

@@ -49,15 +49,16 @@ from data.prepare import (
 from data.sources import DataError
 from evaluation import TASKS, evaluate, val_loss
 from model import GPT, GPTConfig
+from precision import autocast, dtype_name, hold_as_paper, hold_matrices_in, resolve_dtype
 
 # The embedded base, pre-trained from scratch on the public-domain corpus the first time it is needed.
 NANO_RECIPE = ("--init_from scratch --n_layer 6 --n_head 3 --n_embd 192 --block_size 256 --max_iters 600 "
                "--batch_size 16 --lr 2e-3 --min_lr 2e-4 --warmup_iters 30 --weight_decay 0.1 --beta2 0.95")
 # The paper's probe recipe (PAPER.md): lr 1e-5, 500 steps, effective batch 16, 512 tokens, 50 warm-up, seed 42.
 PAPER_RECIPE = dict(lr=1e-5, min_lr=0.0, max_iters=500, batch_size=16, grad_accum=1, seq_len=512,
-                    warmup_iters=50, seed=42, weight_decay=0.0, beta2=0.999, data="wikitext103")
+                    warmup_iters=50, seed=42, weight_decay=0.0, beta2=0.999, data="wikitext103", pure_bf16=True)
 # All that a resumed run takes from its checkpoint, so that it continues exactly.
-RESUMED = RUN_SETTINGS + ("eval_interval", "eval_tokens", "ckpt_interval", "eval_tasks", "hellaswag_limit")
+RESUMED = RUN_SETTINGS + ("dtype", "eval_interval", "eval_tokens", "ckpt_interval", "eval_tasks", "hellaswag_limit")
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,8 +71,9 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--full_finetune", action="store_true", help="train every weight, not only the new ones")
     g.add_argument("--paper", action="store_true",
                    help="the paper's probe recipe (PAPER_RECIPE) as defaults; flags given explicitly still win")
-    g.add_argument("--pure_bf16", action="store_true",
-                   help="hold trainable weights in bf16, no fp32 master (as the paper)")
+    g.add_argument("--pure_bf16", action=argparse.BooleanOptionalAction, default=False,
+                   help="the paper's precision: weights and AdamW state in bf16 with no fp32 master copy, LoRA "
+                        "adapters in fp32 (on with --paper; --no-pure_bf16 keeps fp32 masters)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--data", default="auto", choices=["auto", "corpus", "wikitext103"],
                    help="probe text: the embedded corpus, or the paper's WikiText-103 lines (needs network)")
@@ -213,7 +215,7 @@ def build_model(args) -> tuple[GPT, Tokenizer, dict | None, GPT | None]:
         prepare_nano(args.mirror)
     model, tokenizer, base_ref = load_model(args.init_from, **switches, mirror=args.mirror)
     base_model, _, _ = load_model(args.init_from, mirror=args.mirror)
-    return model, tokenizer, base_ref, base_model
+    return model, tokenizer, base_ref, base_model.requires_grad_(False)
 
 
 def make_optimizer(model: GPT, args) -> torch.optim.AdamW:
@@ -250,13 +252,16 @@ def setup_run(args) -> Run:
         raise SystemExit(f"error: --seq_len {args.seq_len} is beyond the model's {model.config.block_size} "
                          f"positions; use at most {model.config.block_size}")
     train_data, vals = load_data(args, tokenizer)
+    dtype = torch.bfloat16 if args.pure_bf16 else resolve_dtype(args.dtype, device)
+    args.dtype = dtype_name(dtype)  # recorded as used, not as asked ('auto')
     model.to(device)
-    if args.pure_bf16:  # the paper's precision: weights and optimizer state in bf16, no fp32 master copy
-        model.to(torch.bfloat16)
-    cuda_autocast = device.startswith("cuda") and not args.pure_bf16
-    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda_autocast else nullcontext()
+    if args.pure_bf16:
+        hold_as_paper(model)
+    for m in (model, base_model):  # frozen weights in the compute dtype once, not cast at every step
+        if m is not None and dtype != torch.float32:
+            hold_matrices_in(m, dtype)
     run = Run(args, out_dir, model, model, tokenizer, make_optimizer(model, args), train_data, vals, base_ref,
-              base_model, probe, rank, world, device, ctx)
+              base_model, probe, rank, world, device, autocast(device, dtype))
     if args.resume:
         saved = read_checkpoint(out_dir)
         model.load_state_dict({k: v.to(device) for k, v in saved["model"].items()}, strict=not probe)
@@ -304,15 +309,15 @@ def train(args) -> tuple[GPT, dict]:
     """Run one training job; returns the model and the final metrics (empty when it stops early)."""
     run = setup_run(args)
     args, model, opt = run.args, run.model, run.optimizer
+    if run.master:
+        run.out_dir.mkdir(parents=True, exist_ok=True)
+        print(f"{args.dtype} compute on {run.device} x{run.world}{' (the paper precision)' if args.pure_bf16 else ''}:"
+              f" {'probe' if run.probe else 'training'} {model.num_params('trainable'):,} of {model.num_params():,}"
+              f" parameters; {args.batch_size} x {args.seq_len} tokens per step -> {run.out_dir}")
     base_losses = {}
     if run.base_model is not None and run.master:
         base_losses = val_losses(run, run.base_model.to(run.device))
         run.base_model.cpu()
-    if run.master:
-        run.out_dir.mkdir(parents=True, exist_ok=True)
-        print(f"{'probe' if run.probe else 'training'} {model.num_params('trainable'):,} of {model.num_params():,} "
-              f"parameters on {run.device} x{run.world}; {args.batch_size} x {args.seq_len} tokens per step "
-              f"-> {run.out_dir}")
     log = open(run.out_dir / "metrics.jsonl", "a") if run.master else None
     bar = tqdm(total=args.max_iters, initial=run.step, disable=not run.master, dynamic_ncols=True)
     rows = args.batch_size // run.world  # this process's share of every batch
@@ -367,10 +372,11 @@ def final_report(run: Run, base_losses: dict) -> dict:
     if not settings["tasks"]:
         return results
     try:
-        results["benchmarks"]["trained"] = run_benchmarks(run.model, run.tokenizer, run.args)
-        if run.base_model is not None:
-            results["benchmarks"]["base"] = base_benchmarks(run.base_model.to(run.device), run.tokenizer, run.args)
-            run.base_model.cpu()
+        with run.ctx:
+            results["benchmarks"]["trained"] = run_benchmarks(run.model, run.tokenizer, run.args)
+            if run.base_model is not None:
+                results["benchmarks"]["base"] = base_benchmarks(run.base_model.to(run.device), run.tokenizer, run.args)
+                run.base_model.cpu()
         print_benchmarks(results["benchmarks"])
     except ValueError as e:  # e.g. a window too short for HellaSwag's endings; the checkpoint is saved
         results["benchmarks"]["error"] = str(e)
@@ -380,7 +386,7 @@ def final_report(run: Run, base_losses: dict) -> dict:
 
 def bench_settings(args) -> dict:
     tasks = [t for t in args.eval_tasks.split(",") if t and t != "none"]
-    return {"tasks": tasks, "hellaswag_limit": args.hellaswag_limit, "protocol": "lm-eval"}
+    return {"tasks": tasks, "hellaswag_limit": args.hellaswag_limit, "protocol": "lm-eval", "dtype": args.dtype}
 
 
 def run_benchmarks(model: GPT, tokenizer: Tokenizer, args) -> dict:

@@ -73,7 +73,7 @@ def test_pythia_path_end_to_end(tmp_path, mirror):
     make_hf_model(vocab=50304, d=64, max_pos=64).save_pretrained(hf_dir)
     out = tmp_path / "probe"
     model, _ = run(f"--init_from {hf_dir} --preproj --skip --data corpus --seq_len 64 --batch_size 4 "
-                   f"--max_iters 3 --eval_tasks none --eval_tokens 1024 --out_dir {out}")
+                   f"--max_iters 3 --eval_tasks none --eval_tokens 1024 --dtype float32 --out_dir {out}")
     reloaded, tok, ref = load_model(str(out))
     assert tok.encode("Hello world").ids == [12092, 1533]  # the real Pythia tokenizer came along
     assert ref["init_from"] == str(hf_dir)
@@ -167,7 +167,11 @@ def test_paper_recipe_and_explicit_flags():
     assert (args.lr, args.batch_size, args.seq_len, args.warmup_iters, args.seed, args.beta2, args.data) == \
         (1e-5, 16, 512, 50, 42, 0.999, "wikitext103")
     assert args.max_iters == 20  # a flag given explicitly wins over the recipe
-    assert not args.pure_bf16  # the paper's precision is a separate switch
+    assert args.pure_bf16  # the paper's precision comes with its recipe ...
+    assert not get_args(["--paper", "--no-pure_bf16"]).pure_bf16  # ... and our fp32 masters are one switch away
+    for form in (["--lr=3e-5"], ["--lr", "3e-5"]):  # every spelling argparse accepts wins too
+        assert get_args(["--paper", *form]).lr == 3e-5, form
+    assert get_args(["--paper", "--max_it", "7"]).max_iters == 7
 
 
 def test_pure_bf16_probe(micro_base, tmp_path):
