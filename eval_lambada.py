@@ -5,6 +5,7 @@ protocol with --protocol paper (evaluation.py describes both).
     python eval_lambada.py --init_from pythia-160m                        # lm-eval: all three tasks, full sets
     python eval_lambada.py --init_from out/run1 --tasks lambada --limit 500
     python eval_lambada.py --init_from pythia-160m --protocol paper --dtype bfloat16
+    python eval_lambada.py --init_from out/run1 --harness piqa,winogrande   # any lm-eval task (docs/harness.md)
 """
 
 import argparse
@@ -40,27 +41,39 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="score only the first N documents (default: all; 500 with --protocol paper)")
     p.add_argument("--batch_size", type=int, default=32)
     p.add_argument("--out", default="eval.json", help="where to write the JSON results")
+    p.add_argument("--harness", default=None,
+                   help="comma-separated lm-evaluation-harness tasks to run through harness.py instead of ours")
+    p.add_argument("--harness_include", default=None, help="a folder of extra lm-eval task YAML files")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = get_args(argv)
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    tasks = [t.strip() for t in (args.harness or args.tasks).split(",") if t.strip()]
     if (args.limit is not None and args.limit < 1) or args.batch_size < 1:
         raise SystemExit("error: --limit and --batch_size must be positive")
-    try:
-        check_request(tasks, args.protocol)  # before loading a model that may be large
+    try:  # check the request before loading a model that may be large
+        if args.harness:
+            import harness  # lm-eval is optional: imported only when asked for
+            manager = harness.task_manager(tasks, args.harness_include)
+        else:
+            check_request(tasks, args.protocol)
         model, tokenizer, base_ref = load_model(args.init_from, **switches_of(args), mirror=args.mirror)
         dtype = resolve_dtype(args.dtype, args.device)
         args.dtype = dtype_name(dtype)  # recorded as used, not as asked ('auto')
-        print(f"evaluating {args.init_from} in {args.dtype} on {args.device} ({args.protocol} protocol)")
+        print(f"evaluating {args.init_from} in {args.dtype} on {args.device} "
+              f"({'lm-evaluation-harness' if args.harness else args.protocol + ' protocol'})")
         with for_inference(model, args.device, dtype, whole_model=args.protocol == "paper"):
-            results = evaluate(model, tokenizer, tasks, args.protocol, args.limit, args.batch_size, args.mirror)
-    except (CheckpointError, DataError, ValueError) as e:
+            if args.harness:
+                lm = harness.HarnessLM(model, tokenizer, args.batch_size)
+                results = harness.evaluate(lm, tasks, manager, args.limit)
+            else:
+                results = evaluate(model, tokenizer, tasks, args.protocol, args.limit, args.batch_size, args.mirror)
+    except (CheckpointError, DataError, ValueError, ImportError) as e:
         raise SystemExit(f"error: {e}")
     print(results_table(results))
     config = {k: getattr(args, k) for k in ("init_from", *SWITCHES, "device", "dtype", "protocol", "limit",
-                                             "batch_size", "mirror")}
+                                             "batch_size", "mirror", "harness", "harness_include")}
     report = {"config": {**config, "tasks": tasks, "base": base_ref}, "results": results}
     out = Path(args.out)
     save_run_file(out.parent, out.name, report)

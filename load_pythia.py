@@ -1,19 +1,23 @@
 """
-Hugging Face GPT-NeoX checkpoints (Pythia) -> our GPT, and Pythia's tokenizer. The only file that knows HF names.
+Hugging Face GPT-NeoX checkpoints (Pythia) <-> our GPT, and Pythia's tokenizer. The only file that knows HF names.
 
     python load_pythia.py pythia-160m --prompt "The capital of France is"
     python load_pythia.py path/to/hf_folder --prompt "..." --tokenizer path/to/tokenizer.json
+    python load_pythia.py --export out/run-hf --init_from out/run     # any model without pre-projection or skip
 """
 
 import argparse
 import json
 import os
 import re
+import shutil
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from model import GPT, GPTConfig
+from data.sources import write_atomic
+from model import GPT, GPTConfig, LoRALinear
 
 # Buffers that old Pythia checkpoints carry and that we recompute: ignored on load.
 IGNORED = re.compile(r"(attention\.(bias|masked_bias)|rotary_emb\.inv_freq)$")
@@ -34,6 +38,8 @@ TOP_MAP = {
     "embed_out.weight": "lm_head.weight",
 }
 LAYER_KEY = re.compile(r"gpt_neox\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+OUR_LAYER_KEY = re.compile(r"blocks\.(\d+)\.(.+)\.(weight|bias)$")
+EOT = "<|endoftext|>"
 
 
 def hf_to_ours(name: str) -> str | None:
@@ -44,6 +50,18 @@ def hf_to_ours(name: str) -> str | None:
     if m and m.group(2) in LAYER_MAP:
         return f"blocks.{m.group(1)}.{LAYER_MAP[m.group(2)]}.{m.group(3)}"
     return None
+
+
+def ours_to_hf(name: str) -> str:
+    """The Hugging Face name of one of our base parameters: hf_to_ours read backwards, from the same tables."""
+    top = {ours: hf for hf, ours in TOP_MAP.items()}
+    layer = {ours: hf for hf, ours in LAYER_MAP.items()}
+    if name in top:
+        return top[name]
+    m = OUR_LAYER_KEY.match(name)
+    if m and m.group(2) in layer:
+        return f"gpt_neox.layers.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"
+    raise ValueError(f"{name} has no Hugging Face GPT-NeoX name")
 
 
 def config_from_hf(hf: dict, **switches) -> GPTConfig:
@@ -71,6 +89,17 @@ def config_from_hf(hf: dict, **switches) -> GPTConfig:
         bias=hf.get("attention_bias", True),
         **switches,
     )
+
+
+def hf_config(c: GPTConfig, eot: int | None) -> dict:
+    """config.json of a GPT-NeoX folder: config_from_hf read backwards, in the keys of Pythia's own files
+    (rotary_pct, rotary_emb_base), which every transformers version reads."""
+    return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": c.vocab_size,
+            "max_position_embeddings": c.block_size, "num_hidden_layers": c.n_layer,
+            "num_attention_heads": c.n_head, "hidden_size": c.n_embd, "intermediate_size": c.intermediate_size,
+            "rotary_pct": c.rotary_pct, "rotary_emb_base": c.rotary_base, "use_parallel_residual": c.parallel_residual,
+            "layer_norm_eps": c.layer_norm_eps, "attention_bias": True, "hidden_act": "gelu",
+            "tie_word_embeddings": False, "bos_token_id": eot, "eos_token_id": eot, "use_cache": True}
 
 
 def hf_folder(name_or_dir: str, revision: str | None = None) -> str:
@@ -168,15 +197,99 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
     return Tokenizer.from_file(os.path.join(hf_folder(name_or_path), "tokenizer.json"))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description="Load a Pythia checkpoint, print its size and a greedy continuation.")
-    p.add_argument("name_or_dir", help="pythia-160m, EleutherAI/pythia-410m[@revision], or a Hugging Face folder")
+# --- export: our GPT -> a Hugging Face GPT-NeoX folder ---
+
+def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """Our base weights under Hugging Face's names, each LoRA update merged into its weight: W + (alpha / r) B A.
+
+    ValueError for what a GPT-NeoX cannot hold: pre-projection and the content skip change the block itself.
+    """
+    c = model.config
+    if c.preproj or c.skip:
+        raise ValueError("pre-projection and the content skip change the attention block, so no GPT-NeoX folder can "
+                         "hold this model; evaluate it with lm-evaluation-harness through our adapter instead: "
+                         "python eval_lambada.py --init_from <this model> --harness <tasks> (docs/harness.md)")
+    if not c.bias:  # GPT-NeoX's MLP always has biases
+        raise ValueError("a model without biases has no GPT-NeoX form")
+    merged = {f"{name}.weight": m.merged_weight() for name, m in model.named_modules()
+              if isinstance(m, LoRALinear) and m.rank}
+    return {ours_to_hf(k): merged.get(k, v).detach().cpu().contiguous() for k, v in model.base_state_dict().items()}
+
+
+def free_folder(folder: str) -> Path:
+    """The export target, which must not exist yet or be empty: an export never mixes with older files."""
+    path = Path(folder)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ValueError(f"{folder} already exists and is not empty; choose a new folder")
+    return path
+
+
+def save_hf_folder(model: GPT, tokenizer: Tokenizer, folder: str) -> None:
+    """A folder that transformers' AutoModelForCausalLM and AutoTokenizer load (and lm-eval's `--model hf`):
+    config.json, model.safetensors, tokenizer.json, tokenizer_config.json, special_tokens_map.json.
+
+    Everything is checked, then written into a hidden folder beside the target and renamed to it, so a failure
+    leaves nothing behind.
+    """
+    from safetensors.torch import save_file
+
+    target = free_folder(folder)
+    state = hf_state_dict(model)
+    eot = tokenizer.token_to_id(EOT)
+    special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT} if eot is not None else {}
+    dtype = str(model.wte.weight.dtype).removeprefix("torch.")
+    files = {"config.json": json.dumps({**hf_config(model.config, eot), "dtype": dtype}, indent=2),
+             "model.safetensors": lambda path: save_file(state, str(path), metadata={"format": "pt"}),
+             "tokenizer.json": tokenizer.to_str(),
+             # the generic fast tokenizer reads tokenizer.json as it is (Pythia's own folders name GPTNeoXTokenizer)
+             "tokenizer_config.json": json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **special,
+                                                  "model_max_length": model.config.block_size}, indent=2),
+             "special_tokens_map.json": json.dumps(special, indent=2)}
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # the remains of an export that was killed
+    tmp.mkdir(parents=True)
+    try:
+        for name, content in files.items():
+            write_atomic(tmp / name, content)
+        os.replace(tmp, target)  # a rename: the folder appears whole (an empty target is replaced)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def export(init_from: str, folder: str) -> None:
+    """The --export command: load a model as every script does and write it as a Hugging Face folder."""
+    from checkpoint import CheckpointError, load_model  # checkpoint imports this module
+
+    try:
+        free_folder(folder)  # before loading a model that may be large
+        model, tokenizer, _ = load_model(init_from)
+        save_hf_folder(model, tokenizer, folder)
+    except (CheckpointError, ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}")
+    lora = " (LoRA merged into the weights)" if model.config.lora_rank else ""
+    print(f"wrote {folder}: {model.num_params('base'):,} parameters{lora}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Load a Pythia checkpoint, print its size and a greedy continuation; "
+                                            "or, with --export, write a model as a Hugging Face GPT-NeoX folder.")
+    p.add_argument("name_or_dir", nargs="?",
+                   help="pythia-160m, EleutherAI/pythia-410m[@revision], or a Hugging Face folder")
     p.add_argument("--prompt", default="The meaning of life is")
     p.add_argument("--max_new_tokens", type=int, default=32)
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one beside the weights)")
     p.add_argument("--preproj", action="store_true")
     p.add_argument("--skip", action="store_true")
-    args = p.parse_args()
+    p.add_argument("--export", metavar="DIR", help="write --init_from as a Hugging Face GPT-NeoX folder DIR")
+    p.add_argument("--init_from", help="with --export: the model, anything the other scripts' --init_from accepts")
+    args = p.parse_args(argv)
+    if args.export or args.init_from:
+        if not (args.export and args.init_from):
+            p.error("--export DIR and --init_from MODEL go together")
+        return export(args.init_from, args.export)
+    if not args.name_or_dir:
+        p.error("name a checkpoint (e.g. pythia-160m), or use --export DIR --init_from MODEL")
     try:
         model = load_pythia(args.name_or_dir, preproj=args.preproj, skip=args.skip)
         tok = load_tokenizer(args.tokenizer or hf_folder(args.name_or_dir))

@@ -315,6 +315,12 @@ class LoRALinear(nn.Linear):
             nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
             nn.init.zeros_(self.lora_b)
 
+    def merged_weight(self) -> torch.Tensor:
+        """W + (alpha / r) · B A, summed in fp32: a plain Linear with this weight computes what this layer does."""
+        if not self.rank:
+            return self.weight
+        return (self.weight.float() + self.scaling * (self.lora_b.float() @ self.lora_a.float())).to(self.weight.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         if self.rank:
