@@ -125,24 +125,26 @@ def rolling_windows(tokens: list[int], prefix: int, window: int) -> list[Pair]:
 # --- the one scorer ---
 
 @torch.inference_mode()
-def score_pairs(model: torch.nn.Module, pairs: list[Pair], batch_size: int = 32) -> list[Score]:
+def score_pairs(model: torch.nn.Module, pairs: list[Pair], batch_size: int = 32,
+                round_to: torch.dtype | None = None) -> list[Score]:
     """Log-likelihood of each continuation given its context, in batches of similar length.
 
     The longest requests go first (an out-of-memory batch size fails at once, and padding stays small);
     results come back in the order of `pairs`. Runs where the model's weights are. An empty continuation scores
-    log-probability 0 with no forward pass.
+    log-probability 0 with no forward pass. With `round_to`, each token's log-probability and each continuation's
+    sum are rounded to that dtype, as code that normalises in a bf16 model's own dtype does (the author's).
     """
     scores: list[Score | None] = [Score(0.0, True, 0, False) if not cont else None for _, cont in pairs]
     order = sorted((i for i, s in enumerate(scores) if s is None),
                    key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
     for start in range(0, len(order), batch_size):
         batch = order[start:start + batch_size]
-        for i, score in zip(batch, _score_batch(model, [pairs[i] for i in batch])):
+        for i, score in zip(batch, _score_batch(model, [pairs[i] for i in batch], round_to)):
             scores[i] = score
     return scores
 
 
-def _score_batch(model: torch.nn.Module, pairs: list[Pair]) -> list[Score]:
+def _score_batch(model: torch.nn.Module, pairs: list[Pair], round_to: torch.dtype | None) -> list[Score]:
     window = model.config.block_size
     device = next(model.parameters()).device
     inputs, rows, cols, targets = [], [], [], []
@@ -166,10 +168,13 @@ def _score_batch(model: torch.nn.Module, pairs: list[Pair]) -> list[Score]:
     logits = model.lm_head(model.hidden_states(x.to(device))[r, c])
     # Full-vocabulary log-softmax in fp32 whatever the weights' dtype: log p(token) = logit - logsumexp(logits).
     logits = logits.float()
-    token_lp = (logits.gather(1, t[:, None])[:, 0] - logits.logsumexp(dim=-1)).double().cpu()
+    token_lp = logits.gather(1, t[:, None])[:, 0] - logits.logsumexp(dim=-1)
+    token_lp = (token_lp if round_to is None else token_lp.to(round_to)).double().cpu()
     misses = (logits.argmax(dim=-1) != t).double().cpu()
     owner = torch.tensor(rows, dtype=torch.long)  # which request each scored token belongs to
     lp_sum = torch.zeros(len(pairs), dtype=torch.float64).index_add_(0, owner, token_lp)
+    if round_to is not None:
+        lp_sum = lp_sum.to(round_to).double()
     n_miss = torch.zeros(len(pairs), dtype=torch.float64).index_add_(0, owner, misses)
     return [Score(lp_sum[b].item(), n_miss[b].item() == 0, len(cont), len(ctx) + len(cont) > window + 1)
             for b, (ctx, cont) in enumerate(pairs)]
@@ -316,8 +321,10 @@ def _wikitext_paper(model: torch.nn.Module, tokenizer: Tokenizer, limit: int | N
 def _choices(model: torch.nn.Module, task: str, protocol: str, items: list[tuple[int, list[Pair], int, list[str]]],
              batch_size: int) -> tuple[list[dict], list[Score]]:
     """Multiple choice: items as (index, a pair per choice, gold index, choice texts); every choice of every item
-    is scored in one call to the scorer."""
-    scores = score_pairs(model, [p for _, pairs, _, _ in items for p in pairs], batch_size)
+    is scored in one call to the scorer. The paper's scores are rounded to the model's dtype, as the author's
+    log_softmax and sum run in it (in bf16 that can tie or swap close choices)."""
+    round_to = next(model.parameters()).dtype if protocol == "paper" else None
+    scores = score_pairs(model, [p for _, pairs, _, _ in items for p in pairs], batch_size, round_to)
     records, k = [], 0
     for index, pairs, gold, texts in items:
         s = scores[k:k + len(pairs)]

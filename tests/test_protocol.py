@@ -28,20 +28,20 @@ V = 50304  # Pythia's padded vocabulary
 
 class FormulaLM(torch.nn.Module):
     """A stand-in language model: after token p the logits over the vocabulary are 3 sin(0.37 p + 0.11 v) (zero
-    everywhere when uniform), whatever came before. `logits(ids)` is the model as the author's code calls it;
-    hidden_states and lm_head are the two halves our scorer calls."""
+    everywhere when uniform), whatever came before, in the model's dtype. `logits(ids)` is the model as the author's
+    code calls it; hidden_states and lm_head are the two halves our scorer calls."""
 
-    def __init__(self, uniform: bool = False):
+    def __init__(self, uniform: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = SimpleNamespace(block_size=2048)
-        self.anchor = torch.nn.Parameter(torch.zeros(1))  # where the weights are
+        self.anchor = torch.nn.Parameter(torch.zeros(1, dtype=dtype))  # where the weights are, and their dtype
         self.uniform = uniform
 
     def logits(self, ids) -> torch.Tensor:
         prev = torch.as_tensor(ids, dtype=torch.float32)
         if self.uniform:
-            return torch.zeros(len(prev), V)
-        return 3 * torch.sin(0.37 * prev[:, None] + 0.11 * torch.arange(V, dtype=torch.float32))
+            return torch.zeros(len(prev), V, dtype=self.anchor.dtype)
+        return (3 * torch.sin(0.37 * prev[:, None] + 0.11 * torch.arange(V, dtype=torch.float32))).to(self.anchor.dtype)
 
     def hidden_states(self, idx):
         return idx[..., None]
@@ -85,7 +85,8 @@ def author_ppl(rows: list[str], tok, lm, max_samples: int = 300) -> tuple[dict[i
         ids = tok(text, truncation=True, max_length=512)["input_ids"]
         if len(ids) < 10:
             continue
-        losses[i] = F.cross_entropy(lm.logits(ids)[:-1], torch.tensor(ids[1:])).item()
+        # transformers (since 4.46) upcasts the logits to fp32 in its causal-LM loss
+        losses[i] = F.cross_entropy(lm.logits(ids)[:-1].float(), torch.tensor(ids[1:])).item()
     return losses, torch.exp(torch.tensor(sum(losses.values()) / len(losses))).item()
 
 
@@ -161,7 +162,10 @@ def arc_rows() -> list[dict]:
             row(1, "What melts ice fastest?", ["salt", "sand", "paper", "wood"], "1234", "1"),
             row(2, "Which is a mammal?", ["shark", "whale", "trout"], "ABC", "A"),
             row(3, "Which is a planet?", ["Mars", "Moon", "Sun", "Vega", "Io"], "ABCDE", "A"),
-            row(4, "Why?  ", ["Because it rains.", "No reason."], "AB", "B")]  # the stem ends in spaces
+            row(4, "Why?  ", ["Because it rains.", "No reason."], "AB", "B"),  # the stem ends in spaces
+            # a near tie that the author's bf16 log_softmax and sum decide otherwise than fp32 would
+            row(5, "Which colour is it?", ["green gold pink purple the in blue white",
+                                           "a on green gold pink purple the in"], "AB", "A")]
 
 
 def write_jsonl(path, rows) -> None:
@@ -196,9 +200,11 @@ def paper_items(lm, tok, folder) -> dict[str, list[dict]]:
     return results, {task: [r for r in records if r["task"] == task] for task in ev.TASKS}
 
 
-def test_paper_protocol_is_the_authors_code(hand_mirror):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paper_protocol_is_the_authors_code(hand_mirror, dtype):
+    """In bf16 too: the author's log_softmax and sums then run in bf16, which our scorer's rounding reproduces."""
     folder, tok, hf_tok, lambada = hand_mirror
-    lm = FormulaLM()
+    lm = FormulaLM(dtype=dtype)
     results, items = paper_items(lm, tok, folder)
     # the hand-made cases hit the rules they are meant to
     assert len(hf_tok(lambada[-1])["input_ids"]) > 512
@@ -208,7 +214,8 @@ def test_paper_protocol_is_the_authors_code(hand_mirror):
 
     expected = author_lambada(lambada, hf_tok, lm)
     assert {r["item"]: (r["correct"], r["tokens"]) for r in items["lambada"]} == expected
-    assert list(expected) == [0, 1, 2, 3] and expected[1][0]  # the long passage is left out; one passage is right
+    assert list(expected) == [0, 1, 2, 3]  # the long passage is left out
+    assert expected[1][0] or dtype == torch.bfloat16  # right in fp32; in bf16 another token can tie for the maximum
     assert results["lambada"]["metrics"]["acc"]["value"] == pytest.approx(sum(c for c, _ in expected.values()) / 4)
     assert "1 passages over 512 tokens left out" in results["lambada"]["note"]
 
@@ -225,9 +232,13 @@ def test_paper_protocol_is_the_authors_code(hand_mirror):
     arc = [author_choice(r["question"]["stem"], [c["text"] for c in r["question"]["choices"]], hf_tok, lm)
            for r in arc_rows()]
     assert [r["pred"] for r in items["arc_easy"]] == arc
-    assert [r["gold"] for r in items["arc_easy"]] == [1, 0, 0, 0, 1]  # answerKey "1" of labels 1-4 is index 0
-    assert results["arc_easy"]["metrics"]["acc"]["value"] == pytest.approx(
-        sum(p == g for p, g in zip(arc, [1, 0, 0, 0, 1])) / 5)
+    gold = [1, 0, 0, 0, 1, 0]
+    assert [r["gold"] for r in items["arc_easy"]] == gold  # answerKey "1" of labels 1-4 is index 0
+    assert results["arc_easy"]["metrics"]["acc"]["value"] == pytest.approx(sum(p == g for p, g in zip(arc, gold)) / 6)
+    near_tie = arc_rows()[5]["question"]
+    choices = [c["text"] for c in near_tie["choices"]]
+    assert author_choice(near_tie["stem"], choices, hf_tok, FormulaLM(dtype=torch.bfloat16)) != \
+        author_choice(near_tie["stem"], choices, hf_tok, FormulaLM())  # the case bites
 
 
 def test_paper_protocol_known_answers_of_a_uniform_model(hand_mirror):
@@ -239,7 +250,7 @@ def test_paper_protocol_known_answers_of_a_uniform_model(hand_mirror):
     assert results["lambada"]["metrics"]["acc"]["value"] == 0.0
     assert all(r["pred"] == 0 for task in ("hellaswag", "arc_easy") for r in items[task])
     assert results["hellaswag"]["metrics"]["acc"]["value"] == pytest.approx(1 / 3)  # gold 0 once in 3
-    assert results["arc_easy"]["metrics"]["acc"]["value"] == pytest.approx(3 / 5)
+    assert results["arc_easy"]["metrics"]["acc"]["value"] == pytest.approx(4 / 6)
 
 
 # --- the paper's probe text ---
