@@ -46,16 +46,12 @@ SOURCES = {
         sha256="4cd0f6876d07a413aa911261ff6d363c72d757d47f0fdd6015702014c89cb9c7"),
     "hellaswag/hellaswag_val.jsonl": Source(
         "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"),
-    "arc/ARC-Easy-Dev.jsonl": Source(
-        ARC, member="ARC-V1-Feb2018-2/ARC-Easy/ARC-Easy-Dev.jsonl",
-        sha256="f4364b808a68df6bf500ce1070fb0105d40cacd2391c210deb00ff83ba75d1f4"),
-    "arc/ARC-Easy-Test.jsonl": Source(
-        ARC, member="ARC-V1-Feb2018-2/ARC-Easy/ARC-Easy-Test.jsonl",
-        sha256="ce32a0774b4beb1977d2c6b16dda5dd2b24fdc9c7f506882c452678676bd09be"),
-    # Train: the mirror's copy, rebuilt as Dev and Test were; no published hash to check it against
-    "arc/ARC-Easy-Train.jsonl": Source(
-        ARC, member="ARC-V1-Feb2018-2/ARC-Easy/ARC-Easy-Train.jsonl",
-        sha256="c62e5482d8c01f2d5a7f24239ac9db3b12f9e47267c4e3f088c6ffe41d5545ef"),
+    # AI2's ARC-Easy splits (Train: the mirror's copy, rebuilt as Dev and Test were, no published hash to check)
+    **{f"arc/ARC-Easy-{split}.jsonl": Source(ARC, member=f"ARC-V1-Feb2018-2/ARC-Easy/ARC-Easy-{split}.jsonl",
+                                             sha256=digest) for split, digest in (
+        ("Dev", "f4364b808a68df6bf500ce1070fb0105d40cacd2391c210deb00ff83ba75d1f4"),
+        ("Test", "ce32a0774b4beb1977d2c6b16dda5dd2b24fdc9c7f506882c452678676bd09be"),
+        ("Train", "c62e5482d8c01f2d5a7f24239ac9db3b12f9e47267c4e3f088c6ffe41d5545ef"))},
     "tokenizers/20B_tokenizer.json": Source("https://huggingface.co/EleutherAI/pythia-160m/resolve/main/tokenizer.json"),
     "corpus/tinyshakespeare.txt": Source(
         "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"),

@@ -323,3 +323,22 @@ def test_corrupt_arc_line(tiny_hf_dir, tmp_path, mirror, monkeypatch):
     (folder / rel).write_text(good[0] + good[1].replace('"answerKey":"', '"answerKey":"Z'), encoding="utf-8")
     with pytest.raises(DataError, match=r"ARC-Easy-Test.jsonl:2: answerKey 'Z.' is not one of the labels"):
         benchmarks.arc_easy("test", str(folder))
+
+
+def test_online_fetch_takes_members_from_one_download(tmp_path, monkeypatch, mirror):
+    """Without a mirror, AI2's zip is downloaded once, kept, and each split read from its member path and pinned."""
+    import io
+    import zipfile
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:
+        for split in ("Dev", "Test"):
+            z.write(f"{mirror}/arc/ARC-Easy-{split}.jsonl", f"ARC-V1-Feb2018-2/ARC-Easy/ARC-Easy-{split}.jsonl")
+    downloads = []
+    monkeypatch.setattr(sources, "download", lambda url: downloads.append(url) or archive.getvalue())
+    monkeypatch.setattr(sources, "CACHE", tmp_path)
+    monkeypatch.delenv(sources.MIRROR_ENV, raising=False)
+    assert len(benchmarks.arc_easy("validation")) == 570 and len(benchmarks.arc_easy("test")) == 2376
+    assert downloads == [sources.ARC]
+    (tmp_path / "downloads" / "arc" / "ARC-Easy-Dev.jsonl").write_text("{}\n")  # a corrupted cached copy
+    with pytest.raises(DataError, match="ARC-Easy-Dev.jsonl has the wrong sha256"):
+        benchmarks.arc_easy("validation")
