@@ -10,9 +10,12 @@ Per layer of each checkpoint:
   weight norms  ‖W_skip‖_F, ‖W_up‖_F, ‖W_down‖_F, against their expected value at initialisation
   share         on held-out text, the mean over tokens of ‖W_skip·x̃‖ / ‖attn_out‖ and of ‖W_skip·x̃‖ / ‖x‖
   causal weight the increase in held-out loss when that layer's skip alone is zeroed
-Held-out text is the probe's domain: the State of the Union speeches from 1993 on (the `val` split), through the
-model's own tokenizer. Checkpoints that differ only in their seed are drawn as one line (mean) with a band
-(min-max). Writes layers.png (every measure), layers_<measure>.png (one each) and layers.csv to --out.
+Held-out text is the run's own training domain, through the model's own tokenizer: WikiText-103 validation for a
+probe trained on WikiText (the paper's), the State of the Union speeches from 1993 on (the `val` split) for the
+embedded probe, a held-out book for a model pre-trained here; the output names it. Checkpoints that differ only
+in their seed are drawn as one line (mean) with a band (min-max). Writes layers.png (every measure),
+layers_<measure>.png (one each) and layers.csv to --out. Two growth statistics are printed, each labelled: ours (the
+last quarter of layers over the first three quarters) and the paper's (the last layer over the first).
 """
 
 import argparse
@@ -31,7 +34,7 @@ from matplotlib.ticker import MaxNLocator
 
 from checkpoint import ROOT, RUN_SETTINGS, CheckpointError, is_run_folder, load_model, read_checkpoint, run_name
 from cli import format_table
-from data.prepare import split_tokens
+from data.prepare import HELDOUT_TEXT, heldout_stream, probe_data
 from data.sources import DataError
 from evaluation import val_loss
 from model import GPT
@@ -70,6 +73,7 @@ class Analysis:
     values: dict[str, list[float]]
     init: dict[str, float]  # measure -> expected value at initialisation (the weight norms)
     path: str = ""
+    heldout: str = ""  # the held-out text of the share and causal measures (a data.prepare.HELDOUT_TEXT key)
     heldout_loss: float = math.nan
     tokens: int = 0
     members: list["Analysis"] = field(default_factory=list)  # a group's checkpoints (empty for one checkpoint)
@@ -165,22 +169,39 @@ def checkpoint_arg(arg: str) -> str:
     return arg
 
 
-def identity(arg: str, model: GPT) -> tuple[str, str, str]:
+def train_args_of(arg: str) -> dict | None:
+    """The training settings saved in one of our run folders; None for a model name or another folder."""
+    return read_checkpoint(Path(arg)).get("train_args") if is_run_folder(Path(arg)) else None
+
+
+def identity(arg: str, model: GPT, train_args: dict | None) -> tuple[str, str, str]:
     """(label, group key, group name). Runs that share every setting defining them (checkpoint.RUN_SETTINGS) but the
     seed form a group, named like train.py names its run folders."""
     label = Path(arg.rstrip("/")).name or arg
     shape = f"{model.config.n_layer}x{model.config.n_embd}"
-    train_args = read_checkpoint(Path(arg)).get("train_args") if is_run_folder(Path(arg)) else None
     if not train_args:  # a model name or a checkpoint from elsewhere: a group of its own
         return label, f"{arg} {shape}", label
     key = repr(sorted((k, train_args.get(k)) for k in RUN_SETTINGS if k != "seed")) + shape
     return label, key, run_name(train_args)
 
 
+def heldout_of(train_args: dict | None, tokenizer) -> str:
+    """The held-out text in the domain the run trained on (a HELDOUT_TEXT key): WikiText validation for a WikiText
+    probe, the `val` split for a probe on the embedded corpus (and for checkpoints whose training is unknown), the
+    held-out book for a model pre-trained from scratch on the books."""
+    if not train_args:
+        return "val"
+    if train_args["init_from"] == "scratch":
+        return "val_books"
+    data = probe_data(train_args.get("data", "auto"), train_args["init_from"], tokenizer)
+    return "wikitext" if data == "wikitext103" else "val"
+
+
 def analyse(arg: str, args: argparse.Namespace, streams: dict) -> Analysis | None:
     """Every measure that applies to one checkpoint; None (with a note) when none does."""
     model, tokenizer, _ = load_model(arg, mirror=args.mirror)
-    label, group, group_name = identity(arg, model)
+    train_args = train_args_of(arg)
+    label, group, group_name = identity(arg, model, train_args)
     values = weight_norms(model)  # of the weights as trained, before they are cast for computing
     ctx = for_inference(model, args.device, resolve_dtype(args.dtype, args.device))
     if not values:
@@ -191,9 +212,10 @@ def analyse(arg: str, args: argparse.Namespace, streams: dict) -> Analysis | Non
     if not model.config.skip:
         print(f"note: {label} has no content skip; only the pre-projection's weight norms apply to it")
         return a
-    key = tokenizer.to_str()
+    a.heldout = heldout_of(train_args, tokenizer)
+    key = (tokenizer.to_str(), a.heldout)
     if key not in streams:
-        streams[key] = split_tokens("val", tokenizer, args.mirror)  # the probe's held-out domain
+        streams[key] = heldout_stream(a.heldout, tokenizer, args.mirror)
     seq_len = min(args.seq_len, model.config.block_size)
     a.tokens = min(args.tokens, len(streams[key]) - 1) // seq_len * seq_len
     shares, a.heldout_loss = skip_shares(model, streams[key], seq_len, args.tokens, ctx)
@@ -229,14 +251,23 @@ def paper_series() -> list[Analysis]:
 
 
 def trend(values: list[float]) -> float:
-    """Mean of the last quarter of layers over the mean of the first three quarters (the paper's 'growth')."""
+    """Ours: the mean of the last quarter of layers over the mean of the first three quarters (where the paper
+    says the growth is)."""
     cut = len(values) - max(1, len(values) // 4)
     return float(np.mean(values[cut:]) / np.mean(values[:cut])) if cut else math.nan
 
 
-def trend_line(a: Analysis) -> str:
-    parts = [f"{MEASURES[k][0]} {trend(v):.2f}x" for k, v in a.values.items()]
-    return f"trend {a.label} (last quarter / first three quarters of layers): " + ", ".join(parts)
+def last_over_first(values: list[float]) -> float:
+    """The paper's statistic: the last layer's value over the first layer's (its "2.3x" at 160M)."""
+    return float(values[-1] / values[0]) if values[0] else math.nan
+
+
+def trend_lines(a: Analysis) -> str:
+    """Both statistics of a series, each labelled."""
+    ours = ", ".join(f"{MEASURES[k][0]} {trend(v):.2f}x" for k, v in a.values.items())
+    paper = ", ".join(f"{MEASURES[k][0]} {last_over_first(v):.2f}x" for k, v in a.values.items())
+    return (f"trend {a.label}, last quarter / first three quarters of layers (ours): {ours}\n"
+            f"trend {a.label}, last layer / first layer (the paper's statistic): {paper}")
 
 
 def layer_table(a: Analysis) -> str:
@@ -244,7 +275,7 @@ def layer_table(a: Analysis) -> str:
     keys = [k for k in MEASURES if k in a.values]
     head = f"{a.label}: {a.n_layer} layers"
     if a.tokens:
-        head += f", held-out loss {a.heldout_loss:.4f} over {a.tokens:,} tokens"
+        head += f", held-out loss {a.heldout_loss:.4f} over {a.tokens:,} tokens of {HELDOUT_TEXT[a.heldout]}"
     rows = [[str(i)] + [a.values[k][i] for k in keys] for i in range(a.n_layer)]
     rows.append(["init"] + [a.init.get(k) for k in keys])
     return head + "\n" + format_table(["layer"] + [MEASURES[k][0] for k in keys], rows)
@@ -259,12 +290,12 @@ def depth_axis(n_layer: int, fraction: bool) -> np.ndarray:
 def write_csv(path: Path, analyses: list[Analysis]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["checkpoint", "n_layer", "layer", "depth_fraction", "heldout_loss", *MEASURES])
+        w.writerow(["checkpoint", "n_layer", "layer", "depth_fraction", "heldout_text", "heldout_loss", *MEASURES])
         for a in analyses:
             for i, frac in enumerate(depth_axis(a.n_layer, True)):
                 cells = [f"{a.values[k][i]:.6g}" if k in a.values else "" for k in MEASURES]
-                w.writerow([a.path, a.n_layer, i, f"{frac:.4f}", f"{a.heldout_loss:.6g}" if a.tokens else "",
-                            *cells])
+                w.writerow([a.path, a.n_layer, i, f"{frac:.4f}", a.heldout,
+                            f"{a.heldout_loss:.6g}" if a.tokens else "", *cells])
 
 
 def plot_measure(ax, key: str, series: list[Analysis], fraction: bool) -> None:
@@ -362,7 +393,7 @@ def main(argv: list[str] | None = None) -> list[Analysis]:
     for a in analyses:
         print(layer_table(a) + "\n")
     for a in series:
-        print(trend_line(a))
+        print(trend_lines(a))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "layers.csv", analyses)

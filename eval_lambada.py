@@ -1,8 +1,9 @@
 """
-Zero-shot LAMBADA, WikiText and HellaSwag from the command line; lm-eval's definitions by default, the paper's
-protocol with --protocol paper (evaluation.py describes both).
+Zero-shot LAMBADA, WikiText, HellaSwag and ARC-Easy from the command line; lm-eval's definitions by default, the
+paper's protocol with --protocol paper (evaluation.py describes both). Writes a JSON summary (--out) and, beside
+it, one JSON line per item (eval.json -> eval.items.jsonl) for paired comparisons with compare.py.
 
-    python eval_lambada.py --init_from pythia-160m                        # lm-eval: all three tasks, full sets
+    python eval_lambada.py --init_from pythia-160m                        # lm-eval: all four tasks, full sets
     python eval_lambada.py --init_from out/run1 --tasks lambada --limit 500
     python eval_lambada.py --init_from pythia-160m --protocol paper --dtype bfloat16
     python eval_lambada.py --init_from out/run1 --harness piqa,winogrande   # any lm-eval task (docs/harness.md)
@@ -14,7 +15,7 @@ from pathlib import Path
 from checkpoint import CheckpointError, load_model, save_run_file
 from cli import add_model_args, format_table, switches_of
 from data.sources import DataError
-from evaluation import TASKS, check_request, evaluate
+from evaluation import TASKS, check_request, evaluate, items_jsonl, items_path
 from model import SWITCHES
 from precision import dtype_name, for_inference, resolve_dtype
 
@@ -26,7 +27,7 @@ def results_table(results: dict) -> str:
     lines = [format_table(["task", "metric", "value", "stderr", "n"], rows)]
     for task, r in results.items():
         if r["truncated"]:
-            lines.append(f"{task}: {r['truncated']} of {r['requests']} requests left-truncated to the window")
+            lines.append(f"{task}: {r['truncated']} of {r['n']} items cut to fit the model's window")
         if "note" in r:
             lines.append(f"{task}: {r['note']}")
     return "\n".join(lines)
@@ -35,12 +36,14 @@ def results_table(results: dict) -> str:
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: lambada, wikitext, hellaswag")
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated: {', '.join(TASKS)}")
     p.add_argument("--protocol", default="lm-eval", help="lm-eval (default) or paper")
     p.add_argument("--limit", type=int, default=None,
-                   help="score only the first N documents (default: all; 500 with --protocol paper)")
+                   help="score only the first N items (default: all; with --protocol paper the author's 500, "
+                        "and for wikitext 300 raw lines)")
     p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument("--out", default="eval.json", help="where to write the JSON results")
+    p.add_argument("--out", default="eval.json",
+                   help="where to write the JSON summary; the per-item records go beside it (.items.jsonl)")
     p.add_argument("--harness", default=None,
                    help="comma-separated lm-evaluation-harness tasks to run through harness.py instead of ours")
     p.add_argument("--harness_include", default=None, help="a folder of extra lm-eval task YAML files")
@@ -63,12 +66,14 @@ def main(argv: list[str] | None = None) -> dict:
         args.dtype = dtype_name(dtype)  # recorded as used, not as asked ('auto')
         print(f"evaluating {args.init_from} in {args.dtype} on {args.device} "
               f"({'lm-evaluation-harness' if args.harness else args.protocol + ' protocol'})")
+        items: list[dict] = []
         with for_inference(model, args.device, dtype, whole_model=args.protocol == "paper"):
             if args.harness:
                 lm = harness.HarnessLM(model, tokenizer, args.batch_size)
                 results = harness.evaluate(lm, tasks, manager, args.limit)
             else:
-                results = evaluate(model, tokenizer, tasks, args.protocol, args.limit, args.batch_size, args.mirror)
+                results = evaluate(model, tokenizer, tasks, args.protocol, args.limit, args.batch_size, args.mirror,
+                                   items)
     except (CheckpointError, DataError, ValueError, ImportError) as e:
         raise SystemExit(f"error: {e}")
     print(results_table(results))
@@ -76,8 +81,9 @@ def main(argv: list[str] | None = None) -> dict:
                                              "batch_size", "mirror", "harness", "harness_include")}
     report = {"config": {**config, "tasks": tasks, "base": base_ref}, "results": results}
     out = Path(args.out)
+    save_run_file(out.parent, items_path(out).name, items_jsonl(items))
     save_run_file(out.parent, out.name, report)
-    print(f"wrote {out}")
+    print(f"wrote {out} and {items_path(out)} ({len(items)} items)")
     return report
 
 

@@ -1,11 +1,12 @@
 """
-Zero-shot evaluation on LAMBADA, WikiText and HellaSwag: the one log-likelihood scorer and the tasks built on it.
-The command line is eval_lambada.py.
+Zero-shot evaluation on LAMBADA, WikiText, HellaSwag and ARC-Easy: the one log-likelihood scorer, the tasks built on
+it, and their metrics computed from per-item records. The command line is eval_lambada.py.
 
 By default every number follows EleutherAI's lm-evaluation-harness (the definitions behind every published Pythia
-figure); `--protocol paper` re-measures the paper's Table 2 with its custom protocol instead.
+figure); `--protocol paper` re-measures the paper's Table 2 exactly as the author's code does (07_benchmarks.py's
+run_all_evals; docs/protocol.md lists both protocols side by side).
 
-    python eval_lambada.py --init_from pythia-160m                        # lm-eval: all three tasks, full sets
+    python eval_lambada.py --init_from pythia-160m                        # lm-eval: all four tasks, full sets
     python eval_lambada.py --init_from out/run1 --tasks lambada --limit 500
     python eval_lambada.py --init_from pythia-160m --protocol paper --dtype bfloat16
 
@@ -16,22 +17,27 @@ lm-eval protocol
              word_perplexity, byte_perplexity, bits_per_byte counted on the original page text
   hellaswag  lm-eval's preprocessing; acc (argmax of summed log-probability) and acc_norm (divided by the
              ending's character length)
-paper protocol (first 500 items of each set)
-  lambada    acc only; the same target (last word with its leading space)
-  wikitext   "PPL": paragraphs of >= 50 characters and >= 10 tokens, each scored alone (at most 512 tokens),
-             exp(unweighted mean over paragraphs of the mean token loss); WikiText-2 test paragraphs, since the
-             paper's WikiText-103 validation split is not in the offline mirror
-  hellaswag  ctx + " " + ending, score = mean log-probability per ending token, acc
+  arc_easy   ARC-Easy test, 2,376 questions: "Question: " + stem + "\nAnswer:" then " " + choice; acc, acc_norm
+paper protocol (the author's evaluate_lambada, evaluate_perplexity, evaluate_hellaswag, evaluate_arc_easy)
+  lambada    first 500 passages; context and " " + last word tokenised separately; acc only; passages over
+             512 tokens left out
+  wikitext   "PPL": of the first 300 raw lines of WikiText-103 validation, those of >= 50 stripped characters,
+             unstripped, cut to 512 tokens, >= 10 tokens; exp(unweighted mean over lines of the mean token loss)
+  hellaswag  first 500; ctx + " " + ending cut to 512 tokens, the ending = the tokens after as many as ctx has
+             alone; mean log-probability per ending token; acc
+  arc_easy   ARC-Easy validation, first 500; stem + " " + choice, scored as hellaswag; acc
 
 Standard errors: acc as lm-eval (sample standard deviation / sqrt(n)); perplexities over documents by the delta
 method, ppl * stderr(per-document loss) (lm-eval bootstraps LAMBADA's instead); none for WikiText's weighted
 perplexities, as lm-eval reports none.
 """
 
+import json
 import math
 import re
 import time
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -39,13 +45,15 @@ import torch
 from tokenizers import Tokenizer
 
 from data import benchmarks
-from data.sources import fetch, sha256
+from data.sources import DataError, fetch, sha256
 
-TASKS = ("lambada", "wikitext", "hellaswag")
+TASKS = ("lambada", "wikitext", "hellaswag", "arc_easy")
 PROTOCOLS = ("lm-eval", "paper")
-PAPER_LIMIT = 500  # the paper scores the first 500 items of each set
-PAPER_MAX_TOKENS = 512  # and at most 512 tokens per WikiText paragraph
-PAPER_MIN_TOKENS = 10
+# The author's max_samples: items of each set (for wikitext, raw lines of the validation file)
+PAPER_LIMITS = {"lambada": 500, "wikitext": 300, "hellaswag": 500, "arc_easy": 500}
+PAPER_MAX_TOKENS = 512  # every sequence of the author's evaluation is cut (or, for LAMBADA, left out) beyond this
+PAPER_MIN_TOKENS = 10  # "PPL" lines shorter than this are left out
+PAPER_MIN_CHARS = 50  # ... and so are lines whose stripped text is shorter than this
 
 Pair = tuple[list[int], list[int]]  # (context tokens, continuation tokens)
 
@@ -87,6 +95,18 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> Pair:
     return ctx, encode(tokenizer, context + continuation)[len(ctx):]
 
 
+def paper_pair(tokenizer: Tokenizer, prefix: str, text: str) -> Pair:
+    """Tokens of (prefix, rest) as the author's evaluate_hellaswag and evaluate_arc_easy split them.
+
+    `text` (prefix + " " + choice) is tokenised and cut to 512 tokens; the choice is taken to start after as many
+    tokens as `prefix` has when tokenised alone, whether or not a BPE merge crosses the boundary. A choice pushed
+    wholly past 512 tokens is empty (the author's score for it is then 0).
+    """
+    ids = encode(tokenizer, text)[:PAPER_MAX_TOKENS]
+    n = len(encode(tokenizer, prefix))
+    return ids[:n], ids[n:]
+
+
 def rolling_windows(tokens: list[int], prefix: int, window: int) -> list[Pair]:
     """A whole document as disjoint (context, continuation) pairs: lm-eval's loglikelihood_rolling.
 
@@ -105,22 +125,26 @@ def rolling_windows(tokens: list[int], prefix: int, window: int) -> list[Pair]:
 # --- the one scorer ---
 
 @torch.inference_mode()
-def score_pairs(model: torch.nn.Module, pairs: list[Pair], batch_size: int = 32) -> list[Score]:
+def score_pairs(model: torch.nn.Module, pairs: list[Pair], batch_size: int = 32,
+                round_to: torch.dtype | None = None) -> list[Score]:
     """Log-likelihood of each continuation given its context, in batches of similar length.
 
     The longest requests go first (an out-of-memory batch size fails at once, and padding stays small);
-    results come back in the order of `pairs`. Runs where the model's weights are.
+    results come back in the order of `pairs`. Runs where the model's weights are. An empty continuation scores
+    log-probability 0 with no forward pass. With `round_to`, each token's log-probability and each continuation's
+    sum are rounded to that dtype, as code that normalises in a bf16 model's own dtype does (the author's).
     """
-    order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
-    scores: list[Score | None] = [None] * len(pairs)
+    scores: list[Score | None] = [Score(0.0, True, 0, False) if not cont else None for _, cont in pairs]
+    order = sorted((i for i, s in enumerate(scores) if s is None),
+                   key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
     for start in range(0, len(order), batch_size):
         batch = order[start:start + batch_size]
-        for i, score in zip(batch, _score_batch(model, [pairs[i] for i in batch])):
+        for i, score in zip(batch, _score_batch(model, [pairs[i] for i in batch], round_to)):
             scores[i] = score
     return scores
 
 
-def _score_batch(model: torch.nn.Module, pairs: list[Pair]) -> list[Score]:
+def _score_batch(model: torch.nn.Module, pairs: list[Pair], round_to: torch.dtype | None) -> list[Score]:
     window = model.config.block_size
     device = next(model.parameters()).device
     inputs, rows, cols, targets = [], [], [], []
@@ -144,16 +168,63 @@ def _score_batch(model: torch.nn.Module, pairs: list[Pair]) -> list[Score]:
     logits = model.lm_head(model.hidden_states(x.to(device))[r, c])
     # Full-vocabulary log-softmax in fp32 whatever the weights' dtype: log p(token) = logit - logsumexp(logits).
     logits = logits.float()
-    token_lp = (logits.gather(1, t[:, None])[:, 0] - logits.logsumexp(dim=-1)).double().cpu()
+    token_lp = logits.gather(1, t[:, None])[:, 0] - logits.logsumexp(dim=-1)
+    token_lp = (token_lp if round_to is None else token_lp.to(round_to)).double().cpu()
     misses = (logits.argmax(dim=-1) != t).double().cpu()
     owner = torch.tensor(rows, dtype=torch.long)  # which request each scored token belongs to
     lp_sum = torch.zeros(len(pairs), dtype=torch.float64).index_add_(0, owner, token_lp)
+    if round_to is not None:
+        lp_sum = lp_sum.to(round_to).double()
     n_miss = torch.zeros(len(pairs), dtype=torch.float64).index_add_(0, owner, misses)
     return [Score(lp_sum[b].item(), n_miss[b].item() == 0, len(cont), len(ctx) + len(cont) > window + 1)
             for b, (ctx, cont) in enumerate(pairs)]
 
 
-# --- statistics ---
+# --- per-item records, and the metrics computed from them ---
+
+def item_record(task: str, protocol: str, item: int, logprob: float, tokens: int, truncated: bool,
+                correct: bool | None, **extra) -> dict:
+    """One item's result, with the same fields for every task (a line of the .items.jsonl file).
+
+    item: its index in the task's data (a passage, a WikiText page or raw line, a question); logprob: the summed
+    log-probability of what is scored (the target word, the page or line, the gold choice); tokens: how many
+    tokens that is; truncated: whether it was cut to fit the model's window; correct: None where the task has no
+    accuracy.
+    Multiple choice adds per-choice `logprobs` and `choice_tokens`, `pred` and `gold` (and `pred_norm`,
+    `correct_norm` under lm-eval); WikiText pages add `words` and `bytes`.
+    """
+    return {"task": task, "protocol": protocol, "item": item, "logprob": logprob, "tokens": tokens,
+            "truncated": truncated, "correct": correct, **extra}
+
+
+class Metric(NamedTuple):
+    """A metric as transform(sum over items of num / sum over items of den). One definition gives its value, its
+    standard error and its paired bootstrap (stats.py)."""
+    num: Callable[[dict], float]
+    den: Callable[[dict], float]
+    transform: Callable
+    accuracy: bool = False  # a mean of right/wrong outcomes, to which McNemar's test applies
+
+
+ONE = lambda r: 1.0
+IDENTITY = lambda x: x
+NLL = lambda r: -r["logprob"]
+ACC = Metric(lambda r: float(r["correct"]), ONE, IDENTITY, accuracy=True)
+ACC_NORM = Metric(lambda r: float(r["correct_norm"]), ONE, IDENTITY, accuracy=True)
+
+
+def task_metrics(task: str, protocol: str) -> dict[str, Metric]:
+    """The metrics a task reports under a protocol."""
+    if task == "wikitext" and protocol == "paper":  # exp of the unweighted mean over lines of the mean token loss
+        return {"ppl": Metric(lambda r: -r["logprob"] / r["tokens"], ONE, np.exp)}
+    if task == "wikitext":  # lm-eval: weighted by the original page's words and bytes
+        return {"word_perplexity": Metric(NLL, lambda r: r["words"], np.exp),
+                "byte_perplexity": Metric(NLL, lambda r: r["bytes"], np.exp),
+                "bits_per_byte": Metric(NLL, lambda r: r["bytes"], lambda x: x / math.log(2))}
+    if protocol == "paper":  # the paper reports accuracy only
+        return {"acc": ACC}
+    return {"acc": ACC, "ppl": Metric(NLL, ONE, np.exp)} if task == "lambada" else {"acc": ACC, "acc_norm": ACC_NORM}
+
 
 def mean_stderr(xs: list[float]) -> float | None:
     """Standard error of a mean: sample standard deviation (n - 1) / sqrt(n), lm-eval's mean_stderr."""
@@ -164,113 +235,144 @@ def mean_stderr(xs: list[float]) -> float | None:
     return math.sqrt(sum((x - mu) ** 2 for x in xs) / (n - 1) / n)
 
 
-def mean_metric(xs: list[float]) -> dict:
-    return {"value": sum(xs) / len(xs), "stderr": mean_stderr(xs)}
-
-
-def ppl_metric(losses: list[float]) -> dict:
-    """exp(mean loss) with a delta-method standard error: ppl * stderr(mean loss)."""
-    ppl = math.exp(sum(losses) / len(losses))
-    se = mean_stderr(losses)
-    return {"value": ppl, "stderr": None if se is None else ppl * se}
+def metric_value(metric: Metric, records: list[dict]) -> dict:
+    """{"value", "stderr"}: a mean over items has lm-eval's standard error, exp of a mean the delta method's
+    (ppl * stderr of the mean loss); a ratio of sums (WikiText's words and bytes) none, as lm-eval."""
+    nums, dens = [metric.num(r) for r in records], [metric.den(r) for r in records]
+    value = float(metric.transform(sum(nums) / sum(dens)))
+    se = mean_stderr(nums) if all(d == 1 for d in dens) else None
+    if se is not None and metric.transform is np.exp:
+        se *= value  # d exp(m) = exp(m) dm
+    return {"value": value, "stderr": se}
 
 
 def argmax(xs: list[float]) -> int:
-    return max(range(len(xs)), key=lambda i: (xs[i], -i))  # the first of equal maxima, as numpy
+    return max(range(len(xs)), key=lambda i: (xs[i], -i))  # the first of equal maxima, as numpy and the author
 
 
-def _result(metrics: dict, docs: list[dict], scores: list[Score], data: str, mirror: str | None,
+def _limit(task: str, protocol: str, limit: int | None) -> int | None:
+    return limit if limit is not None else (PAPER_LIMITS[task] if protocol == "paper" else None)
+
+
+def _result(task: str, protocol: str, records: list[dict], scores: list[Score], data: str, mirror: str | None,
             note: str | None = None) -> dict:
-    """A task's result: metrics, counts, the data file's sha256, and the per-document numbers under "docs"."""
-    result = {"metrics": metrics, "n": len(docs), "requests": len(scores),
-              "truncated": sum(s.truncated for s in scores), "data": {data: sha256(fetch(data, mirror))}}
+    """A task's result: metrics from its records, counts, the data file's sha256, and the records under "items"."""
+    metrics = {name: metric_value(m, records) for name, m in task_metrics(task, protocol).items()}
+    result = {"metrics": metrics, "n": len(records), "requests": len(scores),
+              "truncated": sum(r["truncated"] for r in records), "data": {data: sha256(fetch(data, mirror))}}
     if note:
         result["note"] = note
-    return {**result, "docs": docs}
-
-
-def _limit(protocol: str, limit: int | None) -> int | None:
-    return limit if limit is not None else (PAPER_LIMIT if protocol == "paper" else None)
+    return {**result, "items": records}
 
 
 # --- the tasks ---
 
 def lambada(model: torch.nn.Module, tokenizer: Tokenizer, protocol: str = "lm-eval", limit: int | None = None,
             batch_size: int = 32, mirror: str | None = None) -> dict:
-    items = benchmarks.lambada(mirror)[:_limit(protocol, limit)]
-    scores = score_pairs(model, [encode_pair(tokenizer, c, t) for c, t in items], batch_size)
-    docs = [{"logprob": s.logprob, "greedy": s.greedy, "n_tokens": s.n_tokens} for s in scores]
-    metrics = {"acc": mean_metric([float(s.greedy) for s in scores])}
-    if protocol == "lm-eval":  # the paper reports accuracy only
-        metrics["ppl"] = ppl_metric([-s.logprob for s in scores])
-    return _result(metrics, docs, scores, benchmarks.LAMBADA, mirror)
+    passages = benchmarks.lambada(mirror)[:_limit("lambada", protocol, limit)]
+    if protocol == "paper":  # the author tokenises the context and " " + word each on its own
+        pairs = [(encode(tokenizer, c), encode(tokenizer, t)) for c, t in passages]
+    else:
+        pairs = [encode_pair(tokenizer, c, t) for c, t in passages]
+    # The author leaves out passages over 512 tokens (with Pythia's tokenizer LAMBADA has none: at most 224)
+    kept = [i for i, (c, t) in enumerate(pairs) if protocol == "lm-eval" or len(c) + len(t) <= PAPER_MAX_TOKENS]
+    scores = score_pairs(model, [pairs[i] for i in kept], batch_size)
+    records = [item_record("lambada", protocol, i, s.logprob, s.n_tokens, s.truncated, s.greedy)
+               for i, s in zip(kept, scores)]
+    left_out = len(pairs) - len(kept)
+    note = f"{left_out} passages over {PAPER_MAX_TOKENS} tokens left out, as the author's code" if left_out else None
+    return _result("lambada", protocol, records, scores, benchmarks.LAMBADA, mirror, note)
 
 
 def wikitext(model: torch.nn.Module, tokenizer: Tokenizer, protocol: str = "lm-eval", limit: int | None = None,
              batch_size: int = 32, mirror: str | None = None) -> dict:
-    window = model.config.block_size
     if protocol == "paper":
-        return _wikitext_paper(model, tokenizer, limit, batch_size, mirror, window)
+        return _wikitext_paper(model, tokenizer, limit, batch_size, mirror)
     pages = benchmarks.wikitext_pages(mirror)[:limit]
     prefix = eot_id(tokenizer)
-    windows = [rolling_windows(encode(tokenizer, benchmarks.wikitext_detokenize(p)), prefix, window) for p in pages]
+    windows = [rolling_windows(encode(tokenizer, benchmarks.wikitext_detokenize(p)), prefix,
+                               model.config.block_size) for p in pages]
     flat = score_pairs(model, [w for page in windows for w in page], batch_size)
-    docs, k = [], 0
-    for page, page_windows in zip(pages, windows):
-        logprob = sum(s.logprob for s in flat[k:k + len(page_windows)])
+    records, k = [], 0
+    for i, (page, page_windows) in enumerate(zip(pages, windows)):
+        s = flat[k:k + len(page_windows)]
         k += len(page_windows)
         # lm-eval counts words and bytes on the original page, before detokenisation
-        docs.append({"logprob": logprob, "words": len(re.split(r"\s+", page)), "bytes": len(page.encode("utf-8")),
-                     "n_tokens": sum(len(c) for _, c in page_windows)})
-    nll = -sum(d["logprob"] for d in docs)
-    words, n_bytes = sum(d["words"] for d in docs), sum(d["bytes"] for d in docs)
-    metrics = {"word_perplexity": {"value": math.exp(nll / words), "stderr": None},
-               "byte_perplexity": {"value": math.exp(nll / n_bytes), "stderr": None},
-               "bits_per_byte": {"value": nll / n_bytes / math.log(2), "stderr": None}}
-    return _result(metrics, docs, flat, benchmarks.WIKITEXT, mirror)
+        records.append(item_record("wikitext", "lm-eval", i, sum(x.logprob for x in s),
+                                   sum(x.n_tokens for x in s), any(x.truncated for x in s), None,
+                                   words=len(re.split(r"\s+", page)), bytes=len(page.encode("utf-8"))))
+    return _result("wikitext", "lm-eval", records, flat, benchmarks.WIKITEXT, mirror)
 
 
 def _wikitext_paper(model: torch.nn.Module, tokenizer: Tokenizer, limit: int | None, batch_size: int,
-                    mirror: str | None, window: int) -> dict:
-    """Each paragraph alone from its first token: the mean loss over the rest, as a plain causal-LM loss."""
-    max_tokens = min(PAPER_MAX_TOKENS, window)  # a sequence the model can take in one go
-    paragraphs = [ids for ids in (encode(tokenizer, p) for p in benchmarks.wikitext_paragraphs(mirror))
-                  if len(ids) >= PAPER_MIN_TOKENS]
-    paragraphs = paragraphs[:_limit("paper", limit)]
-    scores = score_pairs(model, [(ids[:1], ids[1:max_tokens]) for ids in paragraphs], batch_size)
-    losses = [-s.logprob / s.n_tokens for s in scores]
-    docs = [{"mean_loss": loss, "n_tokens": s.n_tokens} for loss, s in zip(losses, scores)]
-    return _result({"ppl": ppl_metric(losses)}, docs, scores, benchmarks.WIKITEXT, mirror,
-                   note="WikiText-2 test paragraphs; the paper used WikiText-103 validation (not in the mirror)")
+                    mirror: str | None) -> dict:
+    """The author's evaluate_perplexity: each line alone from its first token, the mean loss over the rest (the
+    Hugging Face causal-LM loss), no <|endoftext|> before it."""
+    lines = benchmarks.wikitext_paper_lines(mirror, _limit("wikitext", "paper", limit), PAPER_MIN_CHARS)
+    cut = [(i, encode(tokenizer, line)[:PAPER_MAX_TOKENS]) for i, line in lines]
+    kept = [(i, ids) for i, ids in cut if len(ids) >= PAPER_MIN_TOKENS]
+    fits = model.config.block_size + 1  # a window of inputs predicts one token more (the last input's is unused)
+    scores = score_pairs(model, [(ids[:1], ids[1:fits]) for _, ids in kept], batch_size)
+    records = [item_record("wikitext", "paper", i, s.logprob, s.n_tokens, len(ids) > fits, None)
+               for (i, ids), s in zip(kept, scores)]
+    return _result("wikitext", "paper", records, scores, benchmarks.WIKITEXT_VALID, mirror)
+
+
+def _choices(model: torch.nn.Module, task: str, protocol: str, items: list[tuple[int, list[Pair], int, list[str]]],
+             batch_size: int) -> tuple[list[dict], list[Score]]:
+    """Multiple choice: items as (index, a pair per choice, gold index, choice texts); every choice of every item
+    is scored in one call to the scorer. The paper's scores are rounded to the model's dtype, as the author's
+    log_softmax and sum run in it (in bf16 that can tie or swap close choices)."""
+    round_to = next(model.parameters()).dtype if protocol == "paper" else None
+    scores = score_pairs(model, [p for _, pairs, _, _ in items for p in pairs], batch_size, round_to)
+    records, k = [], 0
+    for index, pairs, gold, texts in items:
+        s = scores[k:k + len(pairs)]
+        k += len(pairs)
+        lps, ns = [x.logprob for x in s], [x.n_tokens for x in s]
+        extra = {"logprobs": lps, "choice_tokens": ns, "gold": gold}
+        if protocol == "paper":  # the author: mean log-probability per choice token (an empty choice scores 0)
+            extra["pred"] = argmax([lp / max(n, 1) for lp, n in zip(lps, ns)])
+        else:  # lm-eval: summed log-probability, and divided by the choice's length in characters
+            extra["pred"] = argmax(lps)
+            extra["pred_norm"] = argmax([lp / len(t) for lp, t in zip(lps, texts)])
+            extra["correct_norm"] = extra["pred_norm"] == gold
+        records.append(item_record(task, protocol, index, lps[gold], ns[gold], any(x.truncated for x in s),
+                                   extra["pred"] == gold, **extra))
+    return records, scores
 
 
 def hellaswag(model: torch.nn.Module, tokenizer: Tokenizer, protocol: str = "lm-eval", limit: int | None = None,
               batch_size: int = 32, mirror: str | None = None) -> dict:
-    items = benchmarks.hellaswag(mirror)[:_limit(protocol, limit)]
-    if protocol == "paper":
-        pairs = [encode_pair(tokenizer, it.ctx, " " + e) for it in items for e in it.endings]
+    items = benchmarks.hellaswag(mirror)[:_limit("hellaswag", protocol, limit)]
+    if protocol == "paper":  # the raw ctx and endings
+        mc = [(i, [paper_pair(tokenizer, it.ctx, it.ctx + " " + e) for e in it.endings], it.gold, it.endings)
+              for i, it in enumerate(items)]
     else:  # lm-eval puts a space between query and choice (its target_delimiter)
-        pairs = [encode_pair(tokenizer, it.query, " " + c) for it in items for c in it.choices]
-    scores = score_pairs(model, pairs, batch_size)
-    docs, k = [], 0
-    for it in items:
-        s = scores[k:k + len(it.choices)]
-        k += len(it.choices)
-        lps = [x.logprob for x in s]
-        doc = {"logprobs": lps, "n_tokens": [x.n_tokens for x in s], "gold": it.gold}
-        if protocol == "paper":
-            doc["pred"] = argmax([x.logprob / max(x.n_tokens, 1) for x in s])
-        else:
-            doc["pred"] = argmax(lps)
-            doc["pred_norm"] = argmax([lp / len(c) for lp, c in zip(lps, it.choices)])
-        docs.append(doc)
-    metrics = {"acc": mean_metric([float(d["pred"] == d["gold"]) for d in docs])}
-    if protocol == "lm-eval":
-        metrics["acc_norm"] = mean_metric([float(d["pred_norm"] == d["gold"]) for d in docs])
-    return _result(metrics, docs, scores, benchmarks.HELLASWAG, mirror)
+        mc = [(i, [encode_pair(tokenizer, it.query, " " + c) for c in it.choices], it.gold, it.choices)
+              for i, it in enumerate(items)]
+    records, scores = _choices(model, "hellaswag", protocol, mc, batch_size)
+    return _result("hellaswag", protocol, records, scores, benchmarks.HELLASWAG, mirror)
 
 
-TASK_FNS: dict[str, Callable[..., dict]] = {"lambada": lambada, "wikitext": wikitext, "hellaswag": hellaswag}
+def arc_easy(model: torch.nn.Module, tokenizer: Tokenizer, protocol: str = "lm-eval", limit: int | None = None,
+             batch_size: int = 32, mirror: str | None = None) -> dict:
+    """lm-eval: the test split, "Question: " + stem + "\\nAnswer:" then " " + choice. The paper: the validation
+    split, stem + " " + choice split where the stem's own tokens end."""
+    split = "validation" if protocol == "paper" else "test"
+    items = benchmarks.arc_easy(split, mirror)[:_limit("arc_easy", protocol, limit)]
+    if protocol == "paper":
+        mc = [(i, [paper_pair(tokenizer, it.stem, it.stem + " " + c) for c in it.choices], it.gold, it.choices)
+              for i, it in enumerate(items)]
+    else:
+        mc = [(i, [encode_pair(tokenizer, f"Question: {it.stem}\nAnswer:", " " + c) for c in it.choices], it.gold,
+               it.choices) for i, it in enumerate(items)]
+    records, scores = _choices(model, "arc_easy", protocol, mc, batch_size)
+    return _result("arc_easy", protocol, records, scores, benchmarks.ARC_EASY[split], mirror)
+
+
+TASK_FNS: dict[str, Callable[..., dict]] = {"lambada": lambada, "wikitext": wikitext, "hellaswag": hellaswag,
+                                            "arc_easy": arc_easy}
 
 
 def check_request(tasks: tuple[str, ...] | list[str], protocol: str) -> None:
@@ -284,11 +386,11 @@ def check_request(tasks: tuple[str, ...] | list[str], protocol: str) -> None:
 
 def evaluate(model: torch.nn.Module, tokenizer: Tokenizer, tasks: tuple[str, ...] | list[str] = TASKS,
              protocol: str = "lm-eval", limit: int | None = None, batch_size: int = 32,
-             mirror: str | None = None) -> dict:
+             mirror: str | None = None, items: list[dict] | None = None) -> dict:
     """{task: {"metrics": {name: {"value", "stderr"}}, "n", "requests", "truncated", "data", "seconds"}}.
 
-    The model runs where its weights are and in their dtype; per-document numbers are left out
-    (call the task functions for them).
+    The model runs where its weights are and in their dtype. Given a list as `items`, the per-item records
+    (item_record) of every task are appended to it, task by task.
     """
     check_request(tasks, protocol)
     was_training = model.training
@@ -297,11 +399,38 @@ def evaluate(model: torch.nn.Module, tokenizer: Tokenizer, tasks: tuple[str, ...
     for task in tasks:
         t0 = time.time()
         result = TASK_FNS[task](model, tokenizer, protocol, limit, batch_size, mirror)
-        result.pop("docs")
+        records = result.pop("items")
+        if items is not None:
+            items.extend(records)
         results[task] = {**result, "seconds": round(time.time() - t0, 2)}
     model.train(was_training)
     return results
 
+
+def items_path(summary: str | Path) -> Path:
+    """Where the per-item records of an evaluation's JSON summary live: eval.json -> eval.items.jsonl."""
+    summary = Path(summary)
+    return summary.with_name((summary.stem if summary.suffix == ".json" else summary.name) + ".items.jsonl")
+
+
+def items_jsonl(records: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def read_items(path: str | Path) -> list[dict]:
+    """The per-item records of an evaluation, given its .items.jsonl file or its JSON summary beside it."""
+    path = Path(path)
+    if not path.name.endswith(".items.jsonl"):
+        path = items_path(path)
+    if not path.is_file():
+        raise DataError(f"{path} does not exist; eval_lambada.py writes it beside its JSON summary")
+    fields = set(item_record("", "", 0, 0.0, 0, False, None))
+    records = []
+    for lineno, row in benchmarks.read_jsonl(path):
+        if not fields <= set(row):
+            raise DataError(f"{path}:{lineno}: not an item record (needs {', '.join(sorted(fields))})")
+        records.append(row)
+    return records
 
 # --- held-out loss on a token stream (training's validation, the layer analysis) ---
 

@@ -40,9 +40,9 @@ from checkpoint import (
 from cli import add_model_args, format_table, keep_freed_memory, switches_of
 from data.prepare import (
     NANO_DATA,
-    is_nano_tokenizer,
     load_nano_split,
     prepare_nano,
+    probe_data,
     split_tokens,
     wikitext103_probe_lines,
 )
@@ -133,8 +133,7 @@ def load_data(args, tokenizer: Tokenizer) -> tuple[object, dict[str, np.ndarray]
     """(training data, {validation name: token stream}) for this run."""
     if args.init_from == "scratch":
         return load_nano_split("pretrain"), {"val_books": load_nano_split("val_books")}
-    data = args.data if args.data != "auto" else (
-        "corpus" if is_nano_tokenizer(tokenizer) or os.path.isdir(args.init_from) else "wikitext103")
+    data = probe_data(args.data, args.init_from, tokenizer)
     vals = {name: split_tokens(name, tokenizer, args.mirror) for name in ("val", "val_books")}
     if data == "wikitext103":
         return wikitext103_probe_lines(tokenizer, max_tokens=args.seq_len), vals

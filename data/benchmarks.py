@@ -4,9 +4,12 @@ EleutherAI's lm-evaluation-harness prepares them, so that our numbers compare wi
 
   LAMBADA    lambada/lambada_test.jsonl      OpenAI's version (lm-eval's `lambada_openai`), 5,153 passages
   WikiText   wikitext/wiki.test.raw          WikiText-2 raw test split, cut into Wikipedia pages
+             wikitext/wiki.valid.raw         WikiText-103 (= WikiText-2) raw validation: the paper's "PPL" lines
   HellaSwag  hellaswag/hellaswag_val.jsonl   validation split, 10,042 items
+  ARC-Easy   arc/ARC-Easy-Test.jsonl         AI2's test split, 2,376 questions (lm-eval's `arc_easy`)
+             arc/ARC-Easy-Dev.jsonl          AI2's validation split, 570 questions (the paper's)
 
-Each reader returns plain Python data; scoring lives in eval_lambada.py.
+Each reader returns plain Python data; scoring lives in evaluation.py.
 """
 
 import json
@@ -18,7 +21,9 @@ from data.sources import DataError, fetch
 
 LAMBADA = "lambada/lambada_test.jsonl"
 WIKITEXT = "wikitext/wiki.test.raw"
+WIKITEXT_VALID = "wikitext/wiki.valid.raw"
 HELLASWAG = "hellaswag/hellaswag_val.jsonl"
+ARC_EASY = {"test": "arc/ARC-Easy-Test.jsonl", "validation": "arc/ARC-Easy-Dev.jsonl"}
 
 
 def read_jsonl(path: Path) -> list[tuple[int, dict]]:
@@ -118,14 +123,16 @@ def wikitext_detokenize(text: str) -> str:
     return text.replace(" 's", "'s")
 
 
-def wikitext_paragraphs(mirror: str | None = None, min_chars: int = 50) -> list[str]:
-    """The paper's "PPL" text: single lines (paragraphs) of at least min_chars characters, stripped, raw spacing.
+def wikitext_paper_lines(mirror: str | None = None, n_lines: int = 300, min_chars: int = 50) -> list[tuple[int, str]]:
+    """The paper's "PPL" text: (line number, line) for each of the first n_lines raw lines of WikiText-103
+    validation (empty lines count) whose stripped text has at least min_chars characters.
 
-    The paper used WikiText-103 *validation*; offline we only have the WikiText-2 (= WikiText-103) test split,
-    so the paper protocol scores these paragraphs instead and says so in its output.
+    As the author's evaluate_perplexity, which streams the Hugging Face `wikitext-103-raw-v1` validation rows (one
+    per line of this file, newline kept): the line is returned unstripped, leading space and newline included,
+    because that is what was tokenised.
     """
-    lines = fetch(WIKITEXT, mirror).read_text(encoding="utf-8").split("\n")
-    return [s for s in (line.strip() for line in lines) if len(s) >= min_chars]
+    with open(fetch(WIKITEXT_VALID, mirror), encoding="utf-8") as f:
+        return [(i, line) for i, line in zip(range(n_lines), f) if len(line.strip()) >= min_chars]
 
 
 # --- HellaSwag ---
@@ -158,4 +165,40 @@ def hellaswag(mirror: str | None = None) -> list[HellaSwagItem]:
         query = hellaswag_preprocess(f"{label}: {ctx_a} {ctx_b.capitalize()}")
         items.append(HellaSwagItem(query, [hellaswag_preprocess(e) for e in endings], int(gold),
                                    _field(row, "ctx", str, path, lineno), endings))
+    return items
+
+
+# --- ARC-Easy ---
+
+@dataclass(frozen=True)
+class ArcItem:
+    id: str
+    stem: str  # the question
+    choices: list[str]  # answer texts, in the file's order
+    labels: list[str]  # their labels: A-E, or 1-4 in some questions
+    gold: int  # index of answerKey among the labels
+
+
+def arc_easy(split: str = "test", mirror: str | None = None) -> list[ArcItem]:
+    """The questions of one split in AI2's raw format: {"id", "question": {"stem", "choices": [{"text",
+    "label"}]}, "answerKey"}.
+
+    As lm-eval's arc_easy (doc_to_target = choices.label.index(answerKey)): any number of choices, labels as they
+    are (1-4 as well as A-E); an answer key that names none of the labels stops with the file and line, where
+    lm-eval stops with a traceback.
+    """
+    path = fetch(ARC_EASY[split], mirror)
+    items = []
+    for lineno, row in read_jsonl(path):
+        question = _field(row, "question", dict, path, lineno)
+        stem, choices = _field(question, "stem", str, path, lineno), _field(question, "choices", list, path, lineno)
+        if not choices or not all(isinstance(c, dict) for c in choices):
+            raise DataError(f"{path}:{lineno}: question.choices is not a list of {{text, label}} objects")
+        texts = [_field(c, "text", str, path, lineno) for c in choices]
+        labels = [_field(c, "label", str, path, lineno) for c in choices]
+        key = row.get("answerKey")
+        if key not in labels:
+            raise DataError(f"{path}:{lineno}: answerKey {key!r} is not one of the labels {labels}; "
+                            f"replace the file")
+        items.append(ArcItem(_field(row, "id", str, path, lineno), stem, texts, labels, labels.index(key)))
     return items

