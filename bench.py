@@ -1,7 +1,7 @@
 """
 Speed and memory, measured side by side in one run, printed as a markdown table of ratios with the raw figures.
 
-    python bench.py                 # CPU: pythia-70m and pythia-160m shapes, fp32 (several minutes)
+    python bench.py                 # CPU: pythia-70m and pythia-160m shapes, fp32 and bf16 (about 15 minutes)
     python bench.py --smoke         # tiny shapes, a few seconds: checks that every section runs
 
 Sections (the targets are checked in the same run, never by timed unit tests):
@@ -12,6 +12,9 @@ Sections (the targets are checked in the same run, never by timed unit tests):
   4. LAMBADA documents/s: our batched scorer vs one example at a time vs the paper's per-target-token loop
   5. generation tokens/s with and without the K/V cache (first shape, random weights); K/V cache bytes with and
      without pre-proj + skip
+  6. bf16 against fp32 (precision.py): our training step (embedded base pre-training and probe, pythia-160m probe),
+     what holding a frozen base in bf16 buys over autocast's casts, the achieved FLOP rate against the peak bf16
+     matrix-product rate, and full LAMBADA scoring, with what bf16 changes in its per-passage log-probabilities
 
 Where the two sides do different work (sections 3 and 4) the table also shows the FLOP ratio: on a compute-bound
 device such as a CPU, a measured speed-up cannot go much beyond it. Both sides run in one process with the same
@@ -19,6 +22,7 @@ allocator setting (cli.keep_freed_memory, unless --system_malloc).
 """
 
 import argparse
+import copy
 import json
 import resource
 import statistics
@@ -37,8 +41,10 @@ from data.sources import DataError
 from evaluation import encode_pair, score_pairs
 from load_pythia import load_pythia
 from model import GPT, GPTConfig, KVCache
+from precision import DTYPES, autocast, dtype_name, for_inference, hold_matrices_in
 
 SHAPES = {  # name: (vocab, d, layers, heads)
+    "nano": (8192, 192, 6, 3),  # the embedded base (train.NANO_RECIPE)
     "pythia-70m": (50304, 512, 6, 8),
     "pythia-160m": (50304, 768, 12, 12),
     "tiny": (512, 64, 2, 4),
@@ -94,13 +100,16 @@ def patch_hf_probe(hf) -> list[nn.Parameter]:
     return new
 
 
-def step_fn(model, hf: bool, x: torch.Tensor):
-    """One training step (forward, backward, AdamW) over the trainable parameters; returns a callable."""
+def step_fn(model, hf: bool, x: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """One training step (forward, backward, AdamW) over the trainable parameters in the compute dtype (autocast
+    for bf16, as train.py); returns a callable."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=True)  # the fused kernel, as train.py uses
+    ctx = autocast(x.device.type, dtype)
 
     def step():
-        loss = model(input_ids=x, labels=x).loss if hf else model(x[:, :-1], x[:, 1:])[1]
+        with ctx:
+            loss = model(input_ids=x, labels=x).loss if hf else model(x[:, :-1], x[:, 1:])[1]
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -126,22 +135,26 @@ def time_interleaved(fns: dict, reps: int, device: str) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def bench_training(shape: str, batch: int, seq: int, reps: int, device: str) -> list[dict]:
-    """Sections 1 and 3: ours vs transformers (full and probe), and ours with vs without pre-proj + skip.
-    Each comparison holds only its own two models, timed interleaved, so that neither runs on a busier machine."""
+def bench_training(shape: str, batch: int, seq: int, reps: int, device: str,
+                   dtypes: list[torch.dtype]) -> list[dict]:
+    """Sections 1 and 3: ours vs transformers (full and probe) in each precision, and ours with vs without
+    pre-proj + skip. Each comparison holds only its own two models, timed interleaved, so that neither runs on a
+    busier machine. In bf16 ours holds its frozen matrices in bf16 (as train.py); transformers runs under autocast."""
     hf_full = hf_model(shape, device)
     x = torch.randint(0, SHAPES[shape][0], (batch, seq + 1), device=device)
     tokens, rows = batch * seq, []
-    for mode in ("full", "probe"):
+    for dtype, mode in [(dtype, mode) for dtype in dtypes for mode in ("full", "probe")]:
         ours = ours_from_hf(hf_full, device, preproj=mode == "probe", skip=mode == "probe")
         hf = hf_full
         if mode == "probe":
             ours.freeze_base()
+            hold_matrices_in(ours, dtype)
             hf = hf_model(shape, device)
             hf.load_state_dict(hf_full.state_dict())
             patch_hf_probe(hf)
-        t = time_interleaved({"ours": step_fn(ours, False, x), "hf": step_fn(hf, True, x[:, :-1])}, reps, device)
-        rows.append({"section": 1, "what": f"{shape} {mode} train step, ours vs transformers",
+        t = time_interleaved({"ours": step_fn(ours, False, x, dtype), "hf": step_fn(hf, True, x[:, :-1], dtype)},
+                             reps, device)
+        rows.append({"section": 1, "what": f"{shape} {mode} train step, {dtype_name(dtype)}, ours vs transformers",
                      "ours": tokens / t["ours"], "reference": tokens / t["hf"], "unit": "tok/s",
                      "ratio": t["hf"] / t["ours"], "target": ">= 1.0"})
         del ours, hf
@@ -306,6 +319,81 @@ def bench_generation(model: GPT, new_tokens: int, device: str) -> list[dict]:
              "reference": size(plain), "unit": "bytes", "ratio": size(switched) / size(plain), "target": "== 1.0"}]
 
 
+# Section 6's training steps: (shape, what trains, batch, target for bf16 / fp32)
+PRECISION_STEPS = [("nano", "pre-training", 16, ">= 1.6"), ("nano", "probe", 16, "-"),
+                   ("pythia-160m", "probe", 4, ">= 2.5")]
+
+
+def peak_matmul_rate(n: int, dtype: torch.dtype, device: str, reps: int) -> float:
+    """FLOP/s of an n x n matrix product in dtype: the physical limit a training step is measured against."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    seconds = time_interleaved({"mm": lambda: a @ b}, max(reps, 5), device)["mm"]
+    return 2 * n**3 / seconds
+
+
+def bench_precision(steps: list, seq: int, reps: int, device: str) -> list[dict]:
+    """Section 6: bf16 against fp32 for our training step; for a frozen base also bf16 with the base held in bf16
+    against plain autocast (what holding it buys); and the achieved FLOP rate against the peak matrix-product rate
+    in bf16."""
+    rows, bf16 = [], torch.bfloat16
+    for shape, what, batch, target in steps:
+        torch.manual_seed(0)
+        probe = what == "probe"
+        fp32 = GPT(shape_config(shape, switches=probe)).to(device)
+        if probe:
+            fp32.freeze_base()
+        held = copy.deepcopy(fp32)
+        hold_matrices_in(held, bf16)
+        x = torch.randint(0, SHAPES[shape][0], (batch, seq + 1), device=device)
+        fns = {"fp32": step_fn(fp32, False, x), "bf16": step_fn(held, False, x, bf16)}
+        if probe:
+            fns["autocast"] = step_fn(copy.deepcopy(fp32), False, x, bf16)
+        t = time_interleaved(fns, reps, device)
+        name = f"{shape} {what} step ({batch} x {seq})"
+        rows.append({"section": 6, "what": f"{name}, bf16 vs fp32", "ours": batch * seq / t["bf16"],
+                     "reference": batch * seq / t["fp32"], "unit": "tok/s", "ratio": t["fp32"] / t["bf16"],
+                     "target": target})
+        if probe:
+            rows.append({"section": 6, "what": f"{name}, bf16: base held in bf16 vs cast by autocast",
+                         "ours": batch * seq / t["bf16"], "reference": batch * seq / t["autocast"], "unit": "tok/s",
+                         "ratio": t["autocast"] / t["bf16"], "target": "-"})
+        flops = train_flops(shape_config(shape, switches=probe), seq, frozen_base=probe) * batch
+        peak = peak_matmul_rate(2048 if device == "cpu" else 8192, bf16, device, reps)
+        rows.append({"section": 6, "what": f"{name}, bf16: achieved / peak matrix-product FLOP rate",
+                     "ours": flops / t["bf16"] / 1e9, "reference": peak / 1e9, "unit": "GFLOP/s",
+                     "ratio": flops / t["bf16"] / peak, "target": "-"})
+        del fp32, held, fns
+    return rows
+
+
+def bench_lambada_precision(model: GPT, tokenizer, n_docs: int | None, mirror: str | None,
+                            device: str) -> tuple[list[dict], str]:
+    """Section 6: LAMBADA scoring (the full set by default) in bf16 against fp32, and what bf16 changes: the
+    largest and mean per-document difference of the target's log-probability, and accuracy decisions flipped."""
+    from data import benchmarks
+
+    pairs = [encode_pair(tokenizer, c, t) for c, t in benchmarks.lambada(mirror)[:n_docs]]
+    fp32, held = model.to(device).eval(), copy.deepcopy(model)
+    ctx = for_inference(held, device, torch.bfloat16)
+    seconds, scores = {}, {}
+    for name, m, c in (("fp32", fp32, autocast(device, torch.float32)), ("bf16", held, ctx)):
+        sync(device)
+        t0 = time.perf_counter()
+        with c:
+            scores[name] = score_pairs(m, pairs, batch_size=32)
+        sync(device)
+        seconds[name] = time.perf_counter() - t0
+    diffs = [abs(a.logprob - b.logprob) for a, b in zip(scores["fp32"], scores["bf16"])]
+    flips = sum(a.greedy != b.greedy for a, b in zip(scores["fp32"], scores["bf16"]))
+    quality = (f"LAMBADA bf16 vs fp32 over {len(pairs)} passages: |d logprob| max {max(diffs):.4f}, mean "
+               f"{sum(diffs) / len(diffs):.4f} nats; accuracy {sum(s.greedy for s in scores['fp32'])} -> "
+               f"{sum(s.greedy for s in scores['bf16'])} correct, {flips} decisions flipped")
+    row = {"section": 6, "what": f"LAMBADA scoring ({len(pairs)} passages), bf16 vs fp32",
+           "ours": len(pairs) / seconds["bf16"], "reference": len(pairs) / seconds["fp32"], "unit": "docs/s",
+           "ratio": seconds["fp32"] / seconds["bf16"], "target": ">= 2"}
+    return [row], quality
+
+
 def check(row: dict) -> str:
     t, r = row["target"], row["ratio"]
     if t == "-":
@@ -330,7 +418,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--eval_from", default="nano", help="model for section 4 (any --init_from)")
-    p.add_argument("--lambada_docs", type=int, default=200)
+    p.add_argument("--lambada_docs", type=int, default=200, help="passages for section 4's slow per-token loop")
+    p.add_argument("--precisions", default="float32,bfloat16", help="section 1's precisions")
     p.add_argument("--new_tokens", type=int, default=256)
     p.add_argument("--mirror", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny shapes and counts, to check that it all runs")
@@ -343,12 +432,15 @@ def main() -> None:
     if args.memory_child:
         print(json.dumps(measure_mode(*json.loads(args.memory_child), "cpu")))
         return
+    steps = PRECISION_STEPS
     if args.smoke:
         args.shapes, args.batch, args.seq, args.reps, args.lambada_docs, args.new_tokens = "tiny", 2, 32, 1, 8, 32
+        steps = [("tiny", what, 2, target) for _, what, _, target in PRECISION_STEPS[:2]]
+    dtypes = [DTYPES[name] for name in args.precisions.split(",")]
     torch.manual_seed(0)
     rows = []
     for shape in args.shapes.split(","):
-        rows += bench_training(shape, args.batch, args.seq, args.reps, args.device)
+        rows += bench_training(shape, args.batch, args.seq, args.reps, args.device, dtypes)
         rows += bench_probe_vs_full(shape, args.batch, args.seq, args.reps, args.device, args.system_malloc)
     if args.smoke:  # a random tiny model with the real Pythia tokenizer stands in for the embedded base
         from data.sources import fetch
@@ -361,9 +453,14 @@ def main() -> None:
     rows += bench_eval(model.to(args.device).eval(), tokenizer, args.lambada_docs, args.mirror)
     gen_model = GPT(shape_config(args.shapes.split(",")[0])).to(args.device).eval()  # the first shape
     rows += bench_generation(gen_model, args.new_tokens, args.device)
+    rows += bench_precision(steps, 256 if not args.smoke else args.seq, args.reps, args.device)
+    lambada_rows, quality = bench_lambada_precision(model, tokenizer, args.lambada_docs if args.smoke else None,
+                                                    args.mirror, args.device)
+    rows += lambada_rows
     print(f"device: {args.device} ({torch.get_num_threads()} threads), torch {torch.__version__}, malloc: {malloc}; "
           f"train batch {args.batch} x {args.seq}, median of {args.reps} steps")
     print_table(rows)
+    print(quality)
 
 
 if __name__ == "__main__":

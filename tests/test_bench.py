@@ -14,7 +14,8 @@ def test_bench_smoke(mirror):
                           env=dict(os.environ, PREPROJ_MIRROR=mirror))
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert {line.split("|")[1].strip() for line in table} == {"1", "2", "3", "4", "5"}
+    assert {line.split("|")[1].strip() for line in table} == {"1", "2", "3", "4", "5", "6"}
+    assert "bfloat16, ours vs transformers" in proc.stdout and "decisions flipped" in proc.stdout
     assert "K/V cache bytes" in proc.stdout and "| 1.000 |  | == 1.0 | pass |" in proc.stdout
     assert "malloc: freed memory kept" in proc.stdout.splitlines()[0]
 
