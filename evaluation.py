@@ -257,6 +257,9 @@ def _limit(task: str, protocol: str, limit: int | None) -> int | None:
 def _result(task: str, protocol: str, records: list[dict], scores: list[Score], data: str, mirror: str | None,
             note: str | None = None) -> dict:
     """A task's result: metrics from its records, counts, the data file's sha256, and the records under "items"."""
+    if not records:
+        raise ValueError(f"{task}: no item of the first ones asked for can be scored under the {protocol} protocol; "
+                         f"raise --limit")
     metrics = {name: metric_value(m, records) for name, m in task_metrics(task, protocol).items()}
     result = {"metrics": metrics, "n": len(records), "requests": len(scores),
               "truncated": sum(r["truncated"] for r in records), "data": {data: sha256(fetch(data, mirror))}}

@@ -192,3 +192,42 @@ def test_run_ends_with_benchmarks_for_base_and_trained(micro_base, tmp_path):
     assert saved["base"]["lambada"]["metrics"]["ppl"]["value"] == pytest.approx(expected, rel=1e-9)
     assert saved["trained"]["lambada"]["n"] == 5153
     assert saved["trained"]["lambada"]["metrics"]["ppl"]["value"] != pytest.approx(expected, rel=1e-6)
+
+
+def test_the_papers_whole_recipe_runs_on_a_tiny_pythia(tmp_path, mirror, monkeypatch):
+    """docs/reproduce.md's commands for Table 2, in miniature: every method in the paper's precision and ours,
+    on the paper's probe text (WikiText-103 train, here served from a local archive in place of the download),
+    then both evaluation protocols. Only the sizes differ from the real run."""
+    import io
+    import zipfile
+
+    import data.sources
+    import eval_lambada
+    raw = open(os.path.join(mirror, "wikitext", "wiki.valid.raw"), encoding="utf-8").read()
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("wikitext-103-raw/wiki.train.raw", raw)
+    monkeypatch.setattr(data.sources, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(data.sources, "download", lambda url: archive.getvalue())
+    hf_dir = tmp_path / "pythia-tiny"
+    make_hf_model(vocab=50304, d=64, max_pos=64).save_pretrained(hf_dir)
+    small = "--max_iters 2 --batch_size 2 --seq_len 64 --eval_tasks none --eval_tokens 256"
+    methods = {"preproj": "--preproj", "lora": "--lora_rank 8", "preproj-lora": "--preproj --lora_rank 2",
+               "preproj-skip": "--preproj --skip"}
+    for name, flags in methods.items():  # our precision (--no-pure_bf16) on the paper's method only, for time
+        for precision_flag in ("", "--no-pure_bf16") if name == "preproj-skip" else ("",):
+            out = tmp_path / f"{name}{precision_flag.replace('--no-pure_bf16', '-fp32')}"
+            model, _ = run(f"--init_from {hf_dir} --paper {flags} {small} {precision_flag} --out_dir {out}")
+            args = read_checkpoint(out)["train_args"]
+            assert args["data"] == "wikitext103" and args["lr"] == 1e-5 and args["pure_bf16"] == (not precision_flag)
+            held = {p.dtype for n, p in model.named_parameters() if p.requires_grad and "lora" not in n}
+            assert held <= ({torch.bfloat16} if not precision_flag else {torch.float32})
+    for protocol, dtype in (("paper", "bfloat16"), ("lm-eval", "float32")):
+        report = eval_lambada.main(["--init_from", str(tmp_path / "preproj-skip"), "--protocol", protocol,
+                                    "--dtype", dtype, "--limit", "8", "--mirror", mirror,
+                                    "--out", str(tmp_path / f"eval-{protocol}.json")])
+        assert set(report["results"]) == {"lambada", "wikitext", "hellaswag", "arc_easy"}
+        assert report["config"]["dtype"] == dtype
+    with pytest.raises(SystemExit, match="wikitext: no item .* raise --limit"):  # the first raw line is empty
+        eval_lambada.main(["--init_from", str(hf_dir), "--protocol", "paper", "--tasks", "wikitext", "--limit", "1",
+                           "--mirror", mirror, "--out", str(tmp_path / "none.json")])
