@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from checkpoint import CheckpointError, load_model, save_run_file
-from cli import DTYPES, add_model_args, format_table, switches_of
+from cli import DTYPES, ArgumentParser, add_model_args, format_table, name_list, out_file, positive_int, switches_of
 from data.sources import DataError
 from evaluation import TASKS, check_request, evaluate
 from model import SWITCHES
@@ -31,22 +31,21 @@ def results_table(results: dict) -> str:
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: lambada, wikitext, hellaswag")
+    p.add_argument("--tasks", type=name_list, default=",".join(TASKS),
+                   help="comma-separated: lambada, wikitext, hellaswag")
     p.add_argument("--protocol", default="lm-eval", help="lm-eval (default) or paper")
-    p.add_argument("--limit", type=int, default=None,
+    p.add_argument("--limit", type=positive_int, default=None,
                    help="score only the first N documents (default: all; 500 with --protocol paper)")
-    p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument("--out", default="eval.json", help="where to write the JSON results")
+    p.add_argument("--batch_size", type=positive_int, default=32)
+    p.add_argument("--out", type=out_file, default="eval.json", help="where to write the JSON results")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = get_args(argv)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if (args.limit is not None and args.limit < 1) or args.batch_size < 1:
-        raise SystemExit("error: --limit and --batch_size must be positive")
     try:
         check_request(tasks, args.protocol)  # before loading a model that may be large
         model, tokenizer, base_ref = load_model(args.init_from, **switches_of(args), mirror=args.mirror)
@@ -65,4 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DataError as e:  # the results could not be written (e.g. a full disk)
+        raise SystemExit(f"error: {e}")

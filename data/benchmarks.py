@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.sources import DataError, fetch
+from data.sources import DataError, fetch, read_text
 
 LAMBADA = "lambada/lambada_test.jsonl"
 WIKITEXT = "wikitext/wiki.test.raw"
@@ -22,19 +22,21 @@ HELLASWAG = "hellaswag/hellaswag_val.jsonl"
 
 
 def read_jsonl(path: Path) -> list[tuple[int, dict]]:
-    """(line number, object) for every non-blank line; a bad line is a DataError naming the file and line."""
+    """(line number, object) for every non-blank line; a bad line, bytes that are not UTF-8 or a file without
+    items are a DataError naming the file (and line)."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: malformed JSON line ({e.msg}); replace the file") from e
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append((lineno, row))
+    for lineno, line in enumerate(read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: malformed JSON line ({e.msg}); replace the file") from e
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append((lineno, row))
+    if not rows:
+        raise DataError(f"{path} holds no items; replace the file")
     return rows
 
 
@@ -71,9 +73,8 @@ def wikitext_pages(mirror: str | None = None) -> list[str]:
     before the first heading are dropped. We split the same way, so our pages are those `page` strings
     (62 pages for the test split).
     """
-    path = fetch(WIKITEXT, mirror)
     pages, lines = [], []
-    for line in path.read_text(encoding="utf-8").split("\n"):
+    for line in wikitext_lines(mirror):
         if _is_title(line):
             if "\n".join(lines).strip():
                 pages.append("\n".join(lines))
@@ -124,8 +125,15 @@ def wikitext_paragraphs(mirror: str | None = None, min_chars: int = 50) -> list[
     The paper used WikiText-103 *validation*; offline we only have the WikiText-2 (= WikiText-103) test split,
     so the paper protocol scores these paragraphs instead and says so in its output.
     """
-    lines = fetch(WIKITEXT, mirror).read_text(encoding="utf-8").split("\n")
-    return [s for s in (line.strip() for line in lines) if len(s) >= min_chars]
+    return [s for s in (line.strip() for line in wikitext_lines(mirror)) if len(s) >= min_chars]
+
+
+def wikitext_lines(mirror: str | None = None) -> list[str]:
+    path = fetch(WIKITEXT, mirror)
+    text = read_text(path)
+    if not text.strip():
+        raise DataError(f"{path} is empty; replace the file")
+    return text.split("\n")
 
 
 # --- HellaSwag ---
