@@ -604,7 +604,9 @@ def main() -> None:
     try:
         base_args = nano_base_args(args)
         if base_args is not None:  # step 1 of 2: the embedded base, once; later runs load it from out/nano-base
-            print(f"pre-training the embedded base first (once): python train.py {NANO_RECIPE} --out_dir {NANO_DIR}")
+            print(f"finishing the embedded base's pre-training: python train.py --out_dir {NANO_DIR} --resume"
+                  if base_args.resume else
+                  f"pre-training the embedded base first (once): python train.py {NANO_RECIPE} --out_dir {NANO_DIR}")
             train(base_args)
         train(args)
     except (CheckpointError, DataError) as e:
