@@ -33,9 +33,9 @@ import torch
 from matplotlib.ticker import MaxNLocator
 
 from checkpoint import ROOT, RUN_SETTINGS, CheckpointError, is_run_folder, load_model, read_checkpoint, run_name
-from cli import format_table
+from cli import ArgumentParser, device, format_table, out_folder, positive_int
 from data.prepare import HELDOUT_TEXT, heldout_stream, probe_data
-from data.sources import DataError
+from data.sources import DataError, write_error
 from evaluation import val_loss
 from model import GPT
 from precision import DTYPES, for_inference, resolve_dtype
@@ -356,17 +356,18 @@ def save_figures(out: Path, series: list[Analysis], fraction: bool) -> list[Path
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", nargs="+", default=[str(DEFAULT_RUN)],
                    help="run folders (or their ckpt.pt) or model names; default: the default probe run")
-    p.add_argument("--out", "--out_dir", dest="out", default=str(ROOT / "out" / "layers"),
+    p.add_argument("--out", "--out_dir", dest="out", type=out_folder, default=str(ROOT / "out" / "layers"),
                    help="folder for the figures and the CSV")
     p.add_argument("--paper", action="store_true", help="overlay the paper's Figure 2 (‖W_skip‖_F per layer)")
     p.add_argument("--depth_fraction", action="store_true",
                    help="x = depth fraction even for models of equal depth (automatic when depths differ)")
-    p.add_argument("--tokens", type=int, default=16384, help="held-out tokens per loss and share measurement")
-    p.add_argument("--seq_len", type=int, default=256, help="window length (at most the model's block_size)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=positive_int, default=16384,
+                   help="held-out tokens per loss and share measurement")
+    p.add_argument("--seq_len", type=positive_int, default=256, help="window length (at most the model's block_size)")
+    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="compute precision (auto: bf16 where the device has native bf16 matrix units)")
     p.add_argument("--mirror", default=None, help="offline data mirror folder (default: $PREPROJ_MIRROR)")
@@ -395,9 +396,12 @@ def main(argv: list[str] | None = None) -> list[Analysis]:
     for a in series:
         print(trend_lines(a))
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(out / "layers.csv", analyses)
-    figures = save_figures(out, series, fraction)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_csv(out / "layers.csv", analyses)
+        figures = save_figures(out, series, fraction)
+    except OSError as e:  # e.g. a full disk
+        raise SystemExit(f"error: {write_error(out, e)}")
     print(f"wrote {out / 'layers.csv'} and {len(figures)} figures: {', '.join(p.name for p in figures)}")
     return analyses
 

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checkpoint import CheckpointError
-from cli import format_table, keep_freed_memory
+from cli import ArgumentParser, device, explicit_flags, format_table, keep_freed_memory, positive_int
 from data.sources import DataError
 from evaluation import encode_pair, score_pairs
 from load_pythia import load_pythia
@@ -410,23 +410,47 @@ def print_table(rows: list[dict]) -> None:
                         for r in rows], markdown=True))
 
 
+# What --smoke sets, and --eval_from, which it does not use (a random tiny model stands in for it).
+SMOKE = dict(shapes="tiny", batch=2, seq=32, reps=1, lambada_docs=8, new_tokens=32, eval_from=None)
+
+
+def precision_list(text: str) -> list[torch.dtype]:
+    """--precisions: names from precision.DTYPES, comma-separated."""
+    unknown = [s for s in text.split(",") if s not in DTYPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown precision {unknown[0]!r}; choose from {', '.join(DTYPES)}")
+    return [DTYPES[s] for s in text.split(",")]
+
+
+def shape_list(text: str) -> str:
+    """--shapes: names from SHAPES, comma-separated."""
+    unknown = [s for s in text.split(",") if s not in SHAPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown shape {unknown[0]!r}; choose from {', '.join(SHAPES)}")
+    return text
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--shapes", default="pythia-70m,pythia-160m")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--reps", type=int, default=3)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shapes", type=shape_list, default="pythia-70m,pythia-160m")
+    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--seq", type=positive_int, default=256)
+    p.add_argument("--reps", type=positive_int, default=3)
     p.add_argument("--eval_from", default="nano", help="model for section 4 (any --init_from)")
-    p.add_argument("--lambada_docs", type=int, default=200, help="passages for section 4's slow per-token loop")
-    p.add_argument("--precisions", default="float32,bfloat16", help="section 1's precisions")
-    p.add_argument("--new_tokens", type=int, default=256)
+    p.add_argument("--lambada_docs", type=positive_int, default=200,
+                   help="passages for section 4's slow per-token loop")
+    p.add_argument("--precisions", type=precision_list, default="float32,bfloat16", help="section 1's precisions")
+    p.add_argument("--new_tokens", type=positive_int, default=256)
     p.add_argument("--mirror", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny shapes and counts, to check that it all runs")
     p.add_argument("--system_malloc", action="store_true",
                    help="leave glibc's default of returning freed memory to the OS (train.py keeps it)")
     p.add_argument("--memory_child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    unused = sorted(explicit_flags(p, None) & set(SMOKE)) if args.smoke else []
+    if unused:
+        p.error(f"--smoke sets its own {', '.join('--' + k for k in unused)}; drop them, or drop --smoke")
     malloc = "glibc default" if args.system_malloc else "freed memory kept, as train.py" if keep_freed_memory() \
         else "system default"
     if args.memory_child:
@@ -434,13 +458,12 @@ def main() -> None:
         return
     steps = PRECISION_STEPS
     if args.smoke:
-        args.shapes, args.batch, args.seq, args.reps, args.lambada_docs, args.new_tokens = "tiny", 2, 32, 1, 8, 32
+        vars(args).update(SMOKE)
         steps = [("tiny", what, 2, target) for _, what, _, target in PRECISION_STEPS[:2]]
-    dtypes = [DTYPES[name] for name in args.precisions.split(",")]
     torch.manual_seed(0)
     rows = []
     for shape in args.shapes.split(","):
-        rows += bench_training(shape, args.batch, args.seq, args.reps, args.device, dtypes)
+        rows += bench_training(shape, args.batch, args.seq, args.reps, args.device, args.precisions)
         rows += bench_probe_vs_full(shape, args.batch, args.seq, args.reps, args.device, args.system_malloc)
     if args.smoke:  # a random tiny model with the real Pythia tokenizer stands in for the embedded base
         from data.sources import fetch

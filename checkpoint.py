@@ -8,19 +8,28 @@ Naming, saving and loading models: one `--init_from` for every script, and our r
   a folder        a Hugging Face GPT-NeoX folder (config.json + weights), or one of our run folders (ckpt.pt)
 
 A run folder holds ckpt.pt, config.json, tokenizer.json, metrics.jsonl and eval.json. A probe checkpoint stores
-only the new parameters plus a reference to its base (how to load it and a sha256 of its weights), so it is small
-and re-attaches to exactly the base it was trained on.
+only the new parameters plus a reference to its base (how to load it, as the user named it, and a sha256 of its
+weights), so it is small and re-attaches to exactly the base it was trained on.
+
+What keeps a run folder whole (docs/reliability.md): ckpt.pt alone holds the step (config.json describes the model
+and never changes during a run), every file is written under a temporary name and renamed, a lock lets one process
+at a time write the folder, and metrics.jsonl is cut back to the checkpoint's step when a run resumes.
 """
 
+import fcntl
 import hashlib
 import json
+import os
+import socket
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator, TextIO
 
 import torch
 from tokenizers import Tokenizer
 
-from data.sources import fetch, write_atomic
-from load_pythia import hf_folder, load_pythia, load_tokenizer
+from data.sources import fetch, write_atomic, write_error
+from load_pythia import hf_folder, load_pythia, load_tokenizer, read_tokenizer
 from model import GPT, SWITCHES, GPTConfig
 
 ROOT = Path(__file__).resolve().parent
@@ -58,34 +67,102 @@ def save_run_file(folder: Path, name: str, obj) -> None:
     """One file of a run folder, written atomically: a .pt name is saved with torch.save, text as it is,
     anything else as JSON."""
     if name.endswith(".pt"):
-        write_atomic(Path(folder) / name, lambda tmp: torch.save(obj, tmp))
+        write_atomic(Path(folder) / name, lambda tmp: _torch_save(obj, tmp))
     else:
         write_atomic(Path(folder) / name, obj if isinstance(obj, str) else json.dumps(obj, indent=2))
 
 
+def _torch_save(obj, path: Path) -> None:
+    with open(path, "wb") as f:  # through a Python file, a full disk raises OSError (ENOSPC), not a RuntimeError
+        torch.save(obj, f)
+
+
 def save_checkpoint(folder: Path, model: GPT, *, probe: bool, base_ref: dict | None, step: int,
                     optimizer_state: dict | None, extra: dict, tokenizer: Tokenizer) -> None:
-    """A probe stores the new parameters only (plus its base reference); otherwise the whole model."""
+    """A probe stores the new parameters only (plus its base reference); otherwise the whole model.
+
+    ckpt.pt is written first and config.json is derived from it without the step, so that a kill between (or
+    during) the writes never leaves the two disagreeing."""
     state = model.new_state_dict() if probe else {k: v.detach().clone() for k, v in model.state_dict().items()}
     ckpt = {"kind": "probe" if probe else "full", "config": model.config.to_dict(), "model": state,
             "base": base_ref, "step": step, "optimizer": optimizer_state, **extra}
     save_run_file(folder, "tokenizer.json", tokenizer.to_str())
-    save_run_file(folder, "config.json", {"kind": ckpt["kind"], "config": ckpt["config"], "base": base_ref,
-                                          "step": step})
     save_run_file(folder, "ckpt.pt", ckpt)
+    save_run_file(folder, "config.json", model_card(ckpt))
 
 
-def read_checkpoint(folder: Path) -> dict:
-    path = folder / "ckpt.pt"
+def model_card(ckpt: dict) -> dict:
+    """config.json of a run folder: what the checkpoint holds, the same at every step of the run."""
+    return {"kind": ckpt["kind"], "config": ckpt["config"], "base": ckpt["base"]}
+
+
+def read_checkpoint(folder: Path, mmap: bool = False) -> dict:
+    """ckpt.pt of a run folder; mmap=True reads tensors only when they are used (cheap for the settings alone)."""
+    path = Path(folder) / "ckpt.pt"
     if not path.is_file():
         raise CheckpointError(f"no ckpt.pt in {folder}; train one with train.py or pass another --init_from")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # a truncated or foreign file: say so in one line
         raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}); it may be truncated") from e
     if not isinstance(ckpt, dict) or "kind" not in ckpt or "config" not in ckpt:
         raise CheckpointError(f"{path} is not a checkpoint of this project (no kind/config entries)")
     return ckpt
+
+
+# --- a run folder while a run writes it: one writer, no stale temporaries, a metrics log that matches ---
+
+@contextmanager
+def lock_run_folder(folder: Path) -> Iterator[None]:
+    """Hold the run folder for this process (creating it): a second run into it stops with a CheckpointError
+    naming the holder. The lock is the kernel's (flock on .lock), so it ends with the process, however it ends:
+    the .lock file a killed run leaves behind blocks nobody."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise CheckpointError(f"{folder} is in use by {holder}; wait for that run to end or pick another "
+                                  f"--out_dir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"process {os.getpid()} on {socket.gethostname()}")
+        f.flush()
+        yield  # leaving the with block closes the file, which releases the lock
+
+
+def clean_temporaries(folder: Path) -> None:
+    """Remove the .<name>.tmp files a killed or failed write left behind (call it holding the lock)."""
+    for tmp in Path(folder).glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+def open_metrics(folder: Path, step: int) -> TextIO:
+    """metrics.jsonl for appending, cut back to the records up to `step`: the checkpoint a run resumes from, or 0
+    for a new run, which starts it afresh. So no step is logged twice and no other run's records remain."""
+    path = Path(folder) / "metrics.jsonl"
+    kept = []
+    if step and path.is_file():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                if json.loads(line)["step"] > step:
+                    break
+            except (ValueError, KeyError, TypeError):  # a line cut short by a kill: it and what follows go
+                break
+            kept.append(line + "\n")
+    write_atomic(path, "".join(kept))
+    return open(path, "a", encoding="utf-8")
+
+
+def append_metrics(log: TextIO, record: dict) -> None:
+    """One record (a JSON line), flushed at once so that a kill loses at most the line being written."""
+    try:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+    except OSError as e:
+        raise write_error(Path(log.name), e) from e
 
 
 def load_model(init_from: str, *, preproj: bool = False, skip: bool = False, lora_rank: int = 0,
@@ -97,9 +174,10 @@ def load_model(init_from: str, *, preproj: bool = False, skip: bool = False, lor
     """
     switches = dict(preproj=preproj, skip=skip, lora_rank=lora_rank, lora_alpha=lora_alpha)
     if init_from == "nano":
-        if not (NANO_DIR / "ckpt.pt").is_file():
-            raise CheckpointError("the embedded base is not built yet; run `python train.py` once to pre-train it")
-        return load_model(str(NANO_DIR), **switches, mirror=mirror)
+        if nano_status() != "ready":
+            raise CheckpointError(f"the embedded base is {nano_status()}; run `python train.py` once to pre-train it")
+        model, tok, ref = load_model(str(NANO_DIR), **switches, mirror=mirror)
+        return model, tok, {**ref, "init_from": "nano"}
     if init_from == "scratch":
         raise CheckpointError("--init_from scratch only makes sense for train.py")
     folder = Path(init_from)
@@ -112,8 +190,11 @@ def load_model(init_from: str, *, preproj: bool = False, skip: bool = False, lor
         except (ValueError, FileNotFoundError, OSError) as e:
             raise CheckpointError(f"cannot load {init_from}: {e}") from e
         tok_path = Path(hf_dir) / "tokenizer.json"
-        tok = load_tokenizer(str(tok_path if tok_path.exists() else fetch("tokenizers/20B_tokenizer.json", mirror)))
-        return model, tok, {"init_from": str(init_from), "sha256": weights_sha256(model)}
+        try:
+            tok = load_tokenizer(str(tok_path if tok_path.exists() else fetch("tokenizers/20B_tokenizer.json", mirror)))
+        except (ValueError, OSError) as e:
+            raise CheckpointError(str(e)) from e
+        return model, tok, {"init_from": portable_name(init_from), "sha256": weights_sha256(model)}
     raise CheckpointError(f"unknown --init_from {init_from!r}: expected nano, scratch, a Pythia name like "
                           f"pythia-160m, a Hugging Face folder, or a run folder")
 
@@ -126,9 +207,43 @@ def is_run_folder(folder: Path) -> bool:
         return False
 
 
+def nano_status() -> str:
+    """The embedded base: 'not built yet', 'not finished' (its first pre-training was stopped) or 'ready'."""
+    if not (NANO_DIR / "ckpt.pt").is_file():
+        return "not built yet"
+    ckpt = read_checkpoint(NANO_DIR, mmap=True)
+    return "ready" if ckpt["step"] >= ckpt["train_args"]["max_iters"] else "not finished"
+
+
+def portable_name(init_from: str) -> str:
+    """How a checkpoint records the model it came from: a name (nano, a Hub id) as given, a path relative to the
+    project root when it lies inside the project (so that a moved or copied project finds its own), else absolute."""
+    if init_from == "nano" or not Path(init_from).exists():
+        return init_from
+    path = Path(init_from).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def base_location(name: str) -> str:
+    """A recorded base as load_model takes it: relative paths are relative to the project root."""
+    if name != "nano" and not Path(name).is_absolute() and (ROOT / name).exists():
+        return str(ROOT / name)
+    return name
+
+
+def check_base(ref: dict, sha256: str, probe: Path) -> None:
+    """A probe re-attaches only to the exact base it was trained on."""
+    if sha256 != ref["sha256"]:
+        raise CheckpointError(f"the base {ref['init_from']} has changed since {probe} was trained on it "
+                              f"(sha256 differs); re-train the probe or restore that base")
+
+
 def _load_run(folder: Path, switches: dict, mirror: str | None) -> tuple[GPT, Tokenizer, dict]:
     ckpt = read_checkpoint(folder)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    try:
+        tok = read_tokenizer(str(folder / "tokenizer.json"))
+    except (ValueError, OSError) as e:
+        raise CheckpointError(str(e)) from e
     config = GPTConfig(**ckpt["config"])
     if ckpt["kind"] == "full":  # a whole model; the switches may add new parameters on top of it
         for k, v in switches.items():
@@ -140,14 +255,15 @@ def _load_run(folder: Path, switches: dict, mirror: str | None) -> tuple[GPT, To
         if unexpected or any(not GPT.is_new(k) for k in missing):
             raise CheckpointError(f"{folder}/ckpt.pt does not fit its own config "
                                   f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
-        return model, tok, {"init_from": str(folder), "sha256": weights_sha256(model)}
+        return model, tok, {"init_from": portable_name(str(folder)), "sha256": weights_sha256(model)}
     # A probe: load its base with the probe's own switches, check the fingerprint, attach the new parameters.
     base_ref = ckpt["base"]
     probe_switches = {k: ckpt["config"][k] for k in SWITCHES}
-    model, _, _ = load_model(base_ref["init_from"], **probe_switches, mirror=mirror)
-    if weights_sha256(model) != base_ref["sha256"]:
-        raise CheckpointError(f"the base {base_ref['init_from']} has changed since {folder} was trained on it "
-                              f"(sha256 differs); re-train the probe or restore that base")
+    try:
+        model, _, _ = load_model(base_location(base_ref["init_from"]), **probe_switches, mirror=mirror)
+    except CheckpointError as e:
+        raise CheckpointError(f"the probe {folder} cannot load its base {base_ref['init_from']!r}: {e}") from e
+    check_base(base_ref, weights_sha256(model), folder)
     if set(ckpt["model"]) != set(model.new_state_dict()):
         raise CheckpointError(f"{folder}/ckpt.pt holds parameters that do not fit its config; it is damaged")
     model.load_state_dict(ckpt["model"], strict=False)

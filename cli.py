@@ -5,7 +5,10 @@ Library code never imports argparse; scripts turn their flags into plain argumen
 
 import argparse
 import ctypes
+import math
 import sys
+from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -20,14 +23,121 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "a Hugging Face folder, or one of our run folders")
     p.add_argument("--preproj", action="store_true", help="add the pre-projection MLP before Q/K/V")
     p.add_argument("--skip", action="store_true", help="add the content skip W_skip around attention")
-    p.add_argument("--lora_rank", type=int, default=0, help="LoRA rank on query_key_value and dense (0 = off)")
-    p.add_argument("--lora_alpha", type=float, default=0.0, help="LoRA alpha (0 = 2 * rank, as the paper)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--lora_rank", type=nonneg_int, default=0, help="LoRA rank on query_key_value and dense (0 = off)")
+    p.add_argument("--lora_alpha", type=nonneg_float, default=0.0, help="LoRA alpha (0 = 2 * rank, as the paper)")
+    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="compute precision: auto = bf16 where the device has native bf16 matrix units, else fp32 "
                         "(see precision.py)")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seed", type=nonneg_int, default=42)
     p.add_argument("--mirror", default=None, help="offline data mirror folder (default: $PREPROJ_MIRROR)")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr, `error: ...`, like every other error of the scripts."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}\n")
+
+
+# --- flag types: a bad value stops at parse time with one line naming the flag and the allowed range ---
+
+def _number(text: str, kind: type, ok: Callable[[float], bool], allowed: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, lambda v: v > 0, "an integer >= 1")
+
+
+def nonneg_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    return _number(text, float, lambda v: v > 0, "a finite number > 0")
+
+
+def nonneg_float(text: str) -> float:
+    return _number(text, float, lambda v: v >= 0, "a finite number >= 0")
+
+
+def fraction(text: str) -> float:
+    return _number(text, float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+
+
+def name_list(text: str) -> str:
+    """A comma-separated list with at least one name (kept as the text)."""
+    if not [t for t in text.split(",") if t.strip()]:
+        raise argparse.ArgumentTypeError("expected at least one name, got an empty list")
+    return text
+
+
+def utf8(text: str) -> str:
+    """Text given on the command line, which must be valid UTF-8 (the shell passes bytes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 (byte {e.start}); pass the text in UTF-8")
+    return text
+
+
+def device(text: str) -> str:
+    """A device this machine has: cpu, cuda, cuda:N (N below the GPU count) or mps."""
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has no usable CUDA GPU; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: MPS is not available here; use --device cpu")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"unsupported device {text!r}; use cpu, cuda or cuda:N")
+    return text
+
+
+def _writable_below(path: Path) -> None:
+    """Refuse a path under an existing file (nothing could be created there)."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise argparse.ArgumentTypeError(f"{path}: {parent} is a file, not a folder")
+            return
+
+
+def out_folder(text: str) -> str:
+    """A folder to write into: it may not exist yet, but it must not be a file."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; pass a folder")
+    _writable_below(path)
+    return text
+
+
+def out_file(text: str) -> str:
+    """A file to write: it may not exist yet, but it must not be a folder."""
+    path = Path(text)
+    if path.is_dir() or text.endswith("/"):
+        raise argparse.ArgumentTypeError(f"{text} is a folder; pass a file name")
+    _writable_below(path)
+    return text
+
+
+def explicit_flags(p: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The settings the command line gave explicitly (even at their default value), as argparse dest names."""
+    unset = object()
+    given = argparse.Namespace(**{k: unset for k in vars(p.parse_args(argv))})
+    p.parse_args(argv, namespace=given)  # argparse fills in defaults only for names the namespace lacks
+    return {k for k, v in vars(given).items() if v is not unset}
 
 
 def switches_of(args: argparse.Namespace) -> dict:

@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from checkpoint import CheckpointError, load_model, save_run_file
-from cli import add_model_args, format_table, switches_of
+from cli import ArgumentParser, add_model_args, format_table, name_list, out_file, positive_int, switches_of
 from data.sources import DataError
 from evaluation import TASKS, check_request, evaluate, items_jsonl, items_path
 from model import SWITCHES
@@ -34,17 +34,17 @@ def results_table(results: dict) -> str:
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated: {', '.join(TASKS)}")
+    p.add_argument("--tasks", type=name_list, default=",".join(TASKS), help=f"comma-separated: {', '.join(TASKS)}")
     p.add_argument("--protocol", default="lm-eval", help="lm-eval (default) or paper")
-    p.add_argument("--limit", type=int, default=None,
+    p.add_argument("--limit", type=positive_int, default=None,
                    help="score only the first N items (default: all; with --protocol paper the author's 500, "
                         "and for wikitext 300 raw lines)")
-    p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument("--out", default="eval.json",
+    p.add_argument("--batch_size", type=positive_int, default=32)
+    p.add_argument("--out", type=out_file, default="eval.json",
                    help="where to write the JSON summary; the per-item records go beside it (.items.jsonl)")
-    p.add_argument("--harness", default=None,
+    p.add_argument("--harness", type=name_list, default=None,
                    help="comma-separated lm-evaluation-harness tasks to run through harness.py instead of ours")
     p.add_argument("--harness_include", default=None, help="a folder of extra lm-eval task YAML files")
     return p.parse_args(argv)
@@ -53,8 +53,6 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = get_args(argv)
     tasks = [t.strip() for t in (args.harness or args.tasks).split(",") if t.strip()]
-    if (args.limit is not None and args.limit < 1) or args.batch_size < 1:
-        raise SystemExit("error: --limit and --batch_size must be positive")
     try:  # check the request before loading a model that may be large
         if args.harness:
             import harness  # lm-eval is optional: imported only when asked for
@@ -88,4 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DataError as e:  # the results could not be written (e.g. a full disk)
+        raise SystemExit(f"error: {e}")

@@ -376,6 +376,16 @@ def arc_easy(model: torch.nn.Module, tokenizer: Tokenizer, protocol: str = "lm-e
 
 TASK_FNS: dict[str, Callable[..., dict]] = {"lambada": lambada, "wikitext": wikitext, "hellaswag": hellaswag,
                                             "arc_easy": arc_easy}
+# The reader of each task's data file: check_data runs them to find a bad file before a long run, not after it.
+TASK_DATA: dict[str, Callable[..., list]] = {"lambada": benchmarks.lambada, "wikitext": benchmarks.wikitext_pages,
+                                            "hellaswag": benchmarks.hellaswag,
+                                            "arc_easy": lambda mirror: benchmarks.arc_easy("test", mirror)}
+
+
+def check_data(tasks: tuple[str, ...] | list[str], mirror: str | None = None) -> None:
+    """Read the data file of every task (present, sha256 where pinned, well-formed), or raise its DataError."""
+    for task in tasks:
+        TASK_DATA[task](mirror)
 
 
 def check_request(tasks: tuple[str, ...] | list[str], protocol: str) -> None:

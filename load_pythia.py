@@ -6,7 +6,6 @@ Hugging Face GPT-NeoX checkpoints (Pythia) <-> our GPT, and Pythia's tokenizer. 
     python load_pythia.py --export out/run-hf --init_from out/run     # any model without pre-projection or skip
 """
 
-import argparse
 import json
 import os
 import re
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from cli import ArgumentParser, positive_int, utf8
 from data.sources import write_atomic
 from model import GPT, GPTConfig, LoRALinear
 
@@ -68,6 +68,9 @@ def config_from_hf(hf: dict, **switches) -> GPTConfig:
     """Our config from a Hugging Face GPT-NeoX config.json (old `rotary_pct` or new `rope_parameters` style)."""
     if hf.get("model_type") != "gpt_neox":
         raise ValueError(f"config.json has model_type={hf.get('model_type')!r}, expected 'gpt_neox' (a Pythia model)")
+    missing = [k for k in ("vocab_size", "num_hidden_layers", "num_attention_heads", "hidden_size") if k not in hf]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}; it is not a complete GPT-NeoX config")
     if hf.get("hidden_act", "gelu") != "gelu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (Pythia uses exact 'gelu')")
     if hf.get("tie_word_embeddings", False):
@@ -137,17 +140,23 @@ def read_hf_weights(folder: str) -> dict[str, torch.Tensor]:
         state = {}
         for fname in files:
             path = os.path.join(folder, fname)
-            if is_st:
-                from safetensors.torch import load_file
-                state.update(load_file(path))
-            else:
-                state.update(torch.load(path, map_location="cpu", weights_only=True))
+            try:
+                if is_st:
+                    from safetensors.torch import load_file
+                    state.update(load_file(path))
+                else:
+                    state.update(torch.load(path, map_location="cpu", weights_only=True))
+            except Exception as e:  # safetensors and torch raise their own types for a damaged file
+                raise ValueError(f"{path} is not a readable weights file ({str(e).splitlines()[0][:120]}); "
+                                 f"it may be truncated: download it again") from e
         return state
     raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin (or their sharded index) in {folder}")
 
 
-def map_state_dict(hf_state: dict[str, torch.Tensor], expected: set[str]) -> dict[str, torch.Tensor]:
-    """Rename a Hugging Face state dict to ours; refuse keys that do not map and report missing ones."""
+def map_state_dict(hf_state: dict[str, torch.Tensor],
+                   expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename a Hugging Face state dict to ours (expected: our model's base tensors); refuse keys that do not map,
+    tensors of the wrong shape, and report missing ones."""
     ours, unexpected = {}, []
     for k, v in hf_state.items():
         if IGNORED.search(k):
@@ -155,9 +164,12 @@ def map_state_dict(hf_state: dict[str, torch.Tensor], expected: set[str]) -> dic
         name = hf_to_ours(k)
         if name is None or name not in expected:
             unexpected.append(k)
+        elif v.shape != expected[name].shape:
+            raise ValueError(f"tensor {k} has shape {tuple(v.shape)}, but config.json implies "
+                             f"{tuple(expected[name].shape)}; the weights and config.json do not belong together")
         else:
             ours[name] = v
-    missing = sorted(expected - ours.keys())
+    missing = sorted(expected.keys() - ours.keys())
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the GPT-NeoX layout: missing {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''} ({len(missing)} in all), unexpected "
@@ -176,11 +188,17 @@ def load_pythia(name_or_dir: str, *, preproj: bool = False, skip: bool = False, 
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"no config.json in {folder}")
-    with open(cfg_path) as f:
-        config = config_from_hf(json.load(f), preproj=preproj, skip=skip, lora_rank=lora_rank, lora_alpha=lora_alpha)
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            hf_config = json.load(f)
+    except ValueError as e:  # not UTF-8, or not JSON
+        raise ValueError(f"{cfg_path} is not a readable JSON file ({e})") from e
+    try:
+        config = config_from_hf(hf_config, preproj=preproj, skip=skip, lora_rank=lora_rank, lora_alpha=lora_alpha)
+    except ValueError as e:
+        raise ValueError(f"{cfg_path}: {e}") from e
     model = GPT(config)
-    base_names = set(model.base_state_dict().keys())
-    state = map_state_dict(read_hf_weights(folder), base_names)
+    state = map_state_dict(read_hf_weights(folder), model.base_state_dict())
     model.load_state_dict(state, strict=False)  # strict on the base by map_state_dict; new params keep their init
     return model.to(device=device, dtype=dtype).eval()
 
@@ -188,13 +206,23 @@ def load_pythia(name_or_dir: str, *, preproj: bool = False, skip: bool = False, 
 def load_tokenizer(name_or_path: str) -> Tokenizer:
     """Pythia's tokenizer (tokenizers library): a tokenizer.json file, a folder holding one, or a Hub name."""
     if os.path.isfile(name_or_path):
-        return Tokenizer.from_file(name_or_path)
+        return read_tokenizer(name_or_path)
     if os.path.isdir(name_or_path):
         path = os.path.join(name_or_path, "tokenizer.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"no tokenizer.json in {name_or_path}; pass the tokenizer file explicitly")
-        return Tokenizer.from_file(path)
-    return Tokenizer.from_file(os.path.join(hf_folder(name_or_path), "tokenizer.json"))
+        return read_tokenizer(path)
+    return read_tokenizer(os.path.join(hf_folder(name_or_path), "tokenizer.json"))
+
+
+def read_tokenizer(path: str) -> Tokenizer:
+    """A tokenizer.json file; a missing or unreadable one is an error naming the file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist; a model folder needs its tokenizer.json")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises a bare Exception for a damaged file
+        raise ValueError(f"{path} is not a readable tokenizer.json ({e}); replace it") from e
 
 
 # --- export: our GPT -> a Hugging Face GPT-NeoX folder ---
@@ -272,12 +300,12 @@ def export(init_from: str, folder: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Load a Pythia checkpoint, print its size and a greedy continuation; "
-                                            "or, with --export, write a model as a Hugging Face GPT-NeoX folder.")
+    p = ArgumentParser(description="Load a Pythia checkpoint, print its size and a greedy continuation; "
+                                   "or, with --export, write a model as a Hugging Face GPT-NeoX folder.")
     p.add_argument("name_or_dir", nargs="?",
                    help="pythia-160m, EleutherAI/pythia-410m[@revision], or a Hugging Face folder")
-    p.add_argument("--prompt", default="The meaning of life is")
-    p.add_argument("--max_new_tokens", type=int, default=32)
+    p.add_argument("--prompt", type=utf8, default="The meaning of life is")
+    p.add_argument("--max_new_tokens", type=positive_int, default=32)
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one beside the weights)")
     p.add_argument("--preproj", action="store_true")
     p.add_argument("--skip", action="store_true")

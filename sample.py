@@ -12,20 +12,20 @@ import argparse
 import torch
 
 from checkpoint import CheckpointError, load_model
-from cli import add_model_args, switches_of
+from cli import ArgumentParser, add_model_args, nonneg_float, nonneg_int, positive_int, switches_of, utf8
 from data.sources import DataError
 from evaluation import encode, eot_id
 from precision import for_inference, resolve_dtype
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--prompt", default="", help="text to continue ('' = start a new document)")
-    p.add_argument("--max_new_tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens (0 = all)")
-    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--prompt", type=utf8, default="", help="text to continue ('' = start a new document)")
+    p.add_argument("--max_new_tokens", type=positive_int, default=100)
+    p.add_argument("--temperature", type=nonneg_float, default=0.8, help="0 = greedy")
+    p.add_argument("--top_k", type=nonneg_int, default=200, help="sample among the k likeliest tokens (0 = all)")
+    p.add_argument("--num_samples", type=positive_int, default=1)
     return p.parse_args(argv)
 
 

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.sources import DataError, fetch
+from data.sources import DataError, fetch, read_text
 
 LAMBADA = "lambada/lambada_test.jsonl"
 WIKITEXT = "wikitext/wiki.test.raw"
@@ -27,19 +27,21 @@ ARC_EASY = {"test": "arc/ARC-Easy-Test.jsonl", "validation": "arc/ARC-Easy-Dev.j
 
 
 def read_jsonl(path: Path) -> list[tuple[int, dict]]:
-    """(line number, object) for every non-blank line; a bad line is a DataError naming the file and line."""
+    """(line number, object) for every non-blank line; a bad line, bytes that are not UTF-8 or a file without
+    items are a DataError naming the file (and line)."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: malformed JSON line ({e.msg}); replace the file") from e
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append((lineno, row))
+    for lineno, line in enumerate(read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: malformed JSON line ({e.msg}); replace the file") from e
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append((lineno, row))
+    if not rows:
+        raise DataError(f"{path} holds no items; replace the file")
     return rows
 
 
@@ -76,9 +78,8 @@ def wikitext_pages(mirror: str | None = None) -> list[str]:
     before the first heading are dropped. We split the same way, so our pages are those `page` strings
     (62 pages for the test split).
     """
-    path = fetch(WIKITEXT, mirror)
     pages, lines = [], []
-    for line in path.read_text(encoding="utf-8").split("\n"):
+    for line in wikitext_lines(mirror):
         if _is_title(line):
             if "\n".join(lines).strip():
                 pages.append("\n".join(lines))
@@ -133,6 +134,14 @@ def wikitext_paper_lines(mirror: str | None = None, n_lines: int = 300, min_char
     """
     with open(fetch(WIKITEXT_VALID, mirror), encoding="utf-8") as f:
         return [(i, line) for i, line in zip(range(n_lines), f) if len(line.strip()) >= min_chars]
+
+
+def wikitext_lines(mirror: str | None = None) -> list[str]:
+    path = fetch(WIKITEXT, mirror)
+    text = read_text(path)
+    if not text.strip():
+        raise DataError(f"{path} is empty; replace the file")
+    return text.split("\n")
 
 
 # --- HellaSwag ---

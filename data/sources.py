@@ -6,6 +6,8 @@ With a mirror, files are read from it and nothing is downloaded; without one, fi
 data/cache/downloads. Files that are byte-identical upstream are pinned by sha256 and checked either way.
 """
 
+import contextlib
+import errno
 import hashlib
 import io
 import os
@@ -23,7 +25,8 @@ ARC = "https://ai2-public-datasets.s3.amazonaws.com/arc/ARC-V1-Feb2018.zip"
 
 
 class DataError(Exception):
-    """A data file is missing, corrupt or malformed; the message says which and what to do."""
+    """A data file is missing, corrupt or malformed, or a file cannot be written; the message says which and what
+    to do."""
 
 
 @dataclass(frozen=True)
@@ -87,16 +90,43 @@ def download(url: str) -> bytes:
 
 
 def write_atomic(path: Path, content: bytes | str | Callable[[Path], None]) -> None:
-    """Write a file so that no reader ever sees half of it: into a hidden temp file beside it, then a rename.
-    content is bytes, text (UTF-8), or a function that writes to the path it is given (e.g. torch.save)."""
+    """Write a file so that no reader ever sees half of it: into a hidden temp file beside it (.<name>.tmp), then
+    a rename. content is bytes, text (UTF-8), or a function that writes to the path it is given. A failed write
+    (a full disk, say) leaves the previous file intact, removes the temp file and raises a DataError saying so."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    if callable(content):
-        content(tmp)
-    else:
-        tmp.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if callable(content):
+            content(tmp)
+        else:
+            tmp.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the bytes are on disk before the rename makes them the file
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):  # missing, or under a path that is not a folder
+            tmp.unlink()
+        raise write_error(path, e) from e
+
+
+def write_error(path: Path, e: OSError) -> DataError:
+    """A failed write, in one line: a full disk says so."""
+    if e.errno == errno.ENOSPC:
+        return DataError(f"the disk is full: could not write {path} (what was written before is intact); free some "
+                         f"space and run again")
+    return DataError(f"could not write {path}: {e.strerror or e}")
+
+
+def read_text(path: Path) -> str:
+    """A text file that must be UTF-8; a DataError names the file when it is not."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text (byte {e.start}); replace the file") from e
 
 
 def archive(url: str) -> Path:

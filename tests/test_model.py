@@ -170,7 +170,7 @@ def test_lora_parity_with_peft():
     from load_pythia import map_state_dict
     base = hub_names({k.replace("base_model.model.", "").replace(".base_layer", ""): v
                       for k, v in peft_model.state_dict().items() if "lora_" not in k})
-    state = map_state_dict(base, set(ours.base_state_dict()))
+    state = map_state_dict(base, ours.base_state_dict())
     for i in range(2):
         for hf_name, our_name in (("query_key_value", "qkv"), ("dense", "proj")):
             pre = f"base_model.model.gpt_neox.layers.{i}.attention.{hf_name}"

@@ -152,15 +152,6 @@ def test_seq_len_beyond_positions(micro_base, tmp_path):
     assert not (tmp_path / "z").exists()
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(micro_base, tmp_path):
-    out = tmp_path / "nan"
-    proc = cli("--init_from", micro_base, "--skip", *MICRO.split(), "--max_iters", "40", "--lr", "1e30",
-               "--warmup_iters", "1", "--grad_clip", "0", "--ckpt_interval", "1", "--out_dir", str(out))
-    assert_one_line_error(proc, "the loss became", "last good checkpoint")
-    kept = read_checkpoint(out)  # complete and loadable: the step before the loss went bad
-    assert f"(step {kept['step']})" in proc.stderr and kept["step"] >= 1
-
-
 def test_paper_recipe_and_explicit_flags():
     from train import get_args
     args = get_args(["--paper", "--preproj", "--skip", "--max_iters", "20"])

@@ -1,0 +1,468 @@
+"""Nothing lost, nothing silently wrong (docs/reliability.md): every script answers bad input with exactly one
+`error: ...` line and a non-zero exit, and a run folder survives NaN, Ctrl-C, kills, full disks and a second run.
+
+Each case asserts the exit status, the one error line (naming the problem), no traceback, and that the run folder
+is unchanged or still resumable. The integrity cases are numbered as in issue 12."""
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import analyze_layers
+import bench
+import checkpoint
+import eval_lambada
+import load_pythia
+import sample
+import train
+from checkpoint import load_model, read_checkpoint
+from conftest import MICRO, ROOT, run
+from data.prepare import load_nano_split
+from evaluation import val_loss
+
+# --- helpers ---
+
+
+def error_line(code, stderr: str, strict: bool = True) -> str:
+    """The one `error:` line of a failed command. strict: stderr holds nothing else (no progress bar yet).
+    code is the exit code, or in-process the SystemExit's message (which the interpreter would print)."""
+    assert code not in (0, None), "the command did not fail"
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.strip()] + ([code] if isinstance(code, str) else [])
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1, lines[-10:]
+    if strict:
+        assert lines == errors, lines
+    return errors[0]
+
+
+def main_error(monkeypatch, capsys, module, argv: list[str], strict: bool = True) -> str:
+    """Run a script's main() in-process with this command line; return its one error line."""
+    monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *map(str, argv)])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        module.main()
+    return error_line(e.value.code, capsys.readouterr().err, strict)
+
+
+def script(*argv, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *map(str, argv)], cwd=ROOT, capture_output=True, text=True, **kwargs)
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file of a folder with its bytes: 'unchanged' means equal snapshots."""
+    return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != ".lock"}
+
+
+def steps(folder: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in open(Path(folder) / "metrics.jsonl")]
+
+
+def wait_for_records(folder: Path, n: int, proc: subprocess.Popen) -> None:
+    """Until metrics.jsonl holds n records (the run is inside its loop): signals then arrive at a known point."""
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if (folder / "metrics.jsonl").is_file() and len(steps(folder)) >= n:
+            return
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"no {n} metrics records: {proc.communicate()[1][-2000:]}")
+
+
+PROBE = f"--skip {MICRO} --max_iters 6 --ckpt_interval 2 --eval_tokens 64"
+
+
+@pytest.fixture(scope="module")
+def stopped_probe(micro_base, tmp_path_factory):
+    """A probe of the micro base stopped at step 2 of 6 (--stop_at): tests copy it and resume it."""
+    out = tmp_path_factory.mktemp("stopped") / "probe"
+    run(f"--init_from {micro_base} {PROBE} --stop_at 2 --out_dir {out}")
+    return out
+
+
+@pytest.fixture
+def probe_copy(stopped_probe, tmp_path):
+    out = tmp_path / "probe"
+    shutil.copytree(stopped_probe, out)
+    return out
+
+
+# --- every numeric flag, every script: one line at parse time, naming the flag and its range ---
+
+NO_CUDA = not torch.cuda.is_available()
+BAD_FLAGS = [
+    (train, "--lr nan", "--lr: expected a finite number > 0"),
+    (train, "--lr inf", "--lr"),
+    (train, "--lr 0", "--lr"),
+    (train, "--lr -1e-3", "--lr"),
+    (train, "--min_lr -1", "--min_lr: expected a finite number >= 0"),
+    (train, "--batch_size 0", "--batch_size: expected an integer >= 1"),
+    (train, "--grad_accum 0", "--grad_accum"),
+    (train, "--max_iters -3", "--max_iters"),
+    (train, "--seq_len -1", "--seq_len: expected an integer >= 0"),
+    (train, "--eval_tokens 0", "--eval_tokens"),
+    (train, "--eval_interval 0", "--eval_interval"),
+    (train, "--ckpt_interval 0", "--ckpt_interval"),
+    (train, "--warmup_iters 1.5", "--warmup_iters"),
+    (train, "--beta2 1", "--beta2: expected a number in [0, 1)"),
+    (train, "--grad_clip nan", "--grad_clip"),
+    (train, "--weight_decay -0.1", "--weight_decay"),
+    (train, "--hellaswag_limit -1", "--hellaswag_limit"),
+    (train, "--stop_at -1", "--stop_at"),
+    (train, "--lora_rank -1", "--lora_rank"),
+    (train, "--seed -1", "--seed"),
+    (train, "--n_layer 0", "--n_layer"),
+    (train, "--n_embd 100 --n_head 3", "--n_embd 100 is not divisible by --n_head 3"),
+    (train, "--eval_tasks ,", "--eval_tasks: expected at least one name"),
+    (train, "--device tpu9", "--device: unknown device 'tpu9'"),
+    (train, "--device cuda:99", "no usable CUDA GPU" if NO_CUDA else "CUDA GPU(s)"),
+    (train, "--out_dir {file}", "is a file; pass a folder"),
+    (train, "--out_dir {file}/run", "is a file, not a folder"),
+    (eval_lambada, "--limit 0", "--limit"),
+    (eval_lambada, "--batch_size 0", "--batch_size"),
+    (eval_lambada, "--tasks {empty}", "--tasks: expected at least one name"),
+    (eval_lambada, "--out {dir}", "is a folder; pass a file name"),
+    (eval_lambada, "--out {file}/eval.json", "is a file, not a folder"),
+    (sample, "--temperature nan", "--temperature: expected a finite number >= 0"),
+    (sample, "--temperature -1", "--temperature"),
+    (sample, "--top_k -1", "--top_k"),
+    (sample, "--max_new_tokens 0", "--max_new_tokens"),
+    (sample, "--num_samples 0", "--num_samples"),
+    (sample, "--prompt caf\udce9", "--prompt: not valid UTF-8 (byte 3)"),
+    (analyze_layers, "--tokens 0", "--tokens"),
+    (analyze_layers, "--seq_len 0", "--seq_len"),
+    (analyze_layers, "--out {file}", "is a file; pass a folder"),
+    (analyze_layers, "--device cuda:99", "--device"),
+    (bench, "--batch 0", "--batch"),
+    (bench, "--reps 0", "--reps"),
+    (bench, "--shapes pythia-7b", "unknown shape 'pythia-7b'"),
+    (bench, "--smoke --batch 8 --eval_from nano", "--smoke sets its own --batch, --eval_from"),
+    (load_pythia, "some/folder --max_new_tokens 0", "--max_new_tokens"),
+]
+
+
+@pytest.mark.parametrize("module,flags,message", BAD_FLAGS,
+                         ids=[f"{m.__name__} {f}" for m, f, _ in BAD_FLAGS])
+def test_bad_flag_values_stop_at_parse_time(module, flags, message, tmp_path, monkeypatch, capsys):
+    (tmp_path / "a_file").write_text("not a folder")
+    argv = flags.format(file=tmp_path / "a_file", dir=tmp_path, empty="").split(" ")
+    line = main_error(monkeypatch, capsys, module, argv)
+    assert message in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing written
+
+
+def test_bad_flags_from_a_shell(tmp_path):
+    """The same through the real entry points: exactly one line on stderr, exit status 2, nothing on stdout."""
+    for argv, start in ((["train.py", "--lr", "nan", "--out_dir", tmp_path / "run"], "error: argument --lr: "),
+                        (["eval_lambada.py", "--tasks", ""], "error: argument --tasks: "),
+                        (["bench.py", "--smoke", "--seq", "64"], "error: --smoke sets its own --seq")):
+        proc = script(*argv)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert error_line(proc.returncode, proc.stderr).startswith(start)
+    assert not (tmp_path / "run").exists()
+
+
+# --- files a user hands over: one line naming the file and the problem ---
+
+def damage(folder: Path, how: str) -> None:
+    from safetensors.torch import load_file, save_file
+    weights = folder / "model.safetensors"
+    if how == "misshapen tensor":
+        state = load_file(weights)
+        state["gpt_neox.final_layer_norm.weight"] = state["gpt_neox.final_layer_norm.weight"][:-1].clone()
+        save_file(state, weights)
+    elif how == "truncated tensor file":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "config without a field":
+        config = json.loads((folder / "config.json").read_text())
+        del config["hidden_size"]
+        (folder / "config.json").write_text(json.dumps(config))
+    elif how == "config not UTF-8":
+        (folder / "config.json").write_bytes(b'{"model_type": "gpt_neox\xff\xfe"}')
+    elif how == "garbage tokenizer":
+        (folder / "tokenizer.json").write_text("<html>not found</html>")
+
+
+@pytest.mark.parametrize("how,message", [
+    ("misshapen tensor", "tensor gpt_neox.final_layer_norm.weight has shape (63,), but config.json implies (64,)"),
+    ("truncated tensor file", "model.safetensors is not a readable weights file"),
+    ("config without a field", "config.json lacks hidden_size"),
+    ("config not UTF-8", "config.json is not a readable JSON file"),
+    ("garbage tokenizer", "tokenizer.json is not a readable tokenizer.json"),
+])
+def test_damaged_hugging_face_folder(tiny_hf_dir, tmp_path, monkeypatch, capsys, how, message):
+    folder = tmp_path / "hf"
+    shutil.copytree(tiny_hf_dir, folder)
+    damage(folder, how)
+    line = main_error(monkeypatch, capsys, sample, ["--init_from", folder, "--max_new_tokens", "2"])
+    assert message in line and str(folder) in line, line
+
+
+def test_run_folder_without_tokenizer(micro_base, tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "run"
+    shutil.copytree(micro_base, folder)
+    os.remove(folder / "tokenizer.json")
+    line = main_error(monkeypatch, capsys, sample, ["--init_from", folder, "--max_new_tokens", "2"])
+    assert f"{folder}/tokenizer.json does not exist" in line
+
+
+@pytest.mark.parametrize("content,message", [(b"", "holds no items"),
+                                             (b'{"ctx_a": "caf\xe9"}\n', "is not UTF-8 text (byte 14)")])
+def test_bad_benchmark_file(micro_base, tmp_path, monkeypatch, capsys, content, message):
+    bad = tmp_path / "mirror" / "hellaswag" / "hellaswag_val.jsonl"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(content)
+    argv = ["--init_from", micro_base, "--tasks", "hellaswag", "--mirror", tmp_path / "mirror",
+            "--out", tmp_path / "e.json"]
+    line = main_error(monkeypatch, capsys, eval_lambada, argv)
+    assert f"{bad} {message}" in line
+    assert not (tmp_path / "e.json").exists()
+
+
+def test_full_disk_says_so(micro_base, mirror, tmp_path):
+    """A real ENOSPC: the temporary file the results go to first is /dev/full."""
+    out = tmp_path / "eval.json"
+    out.write_text("previous results")
+    (tmp_path / ".eval.json.tmp").symlink_to("/dev/full")
+    proc = script("eval_lambada.py", "--init_from", micro_base, "--tasks", "lambada", "--limit", "2",
+                  "--mirror", mirror, "--out", out)
+    assert f"the disk is full: could not write {out}" in error_line(proc.returncode, proc.stderr)
+    assert out.read_text() == "previous results" and not os.path.lexists(tmp_path / ".eval.json.tmp")
+
+
+def test_full_disk_during_training_keeps_the_checkpoint(probe_copy, monkeypatch, capsys):
+    before = read_checkpoint(probe_copy)
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("step") == 4:
+            f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    line = main_error(monkeypatch, capsys, train, ["--out_dir", probe_copy, "--resume"], strict=False)
+    assert f"the disk is full: could not write {probe_copy}/ckpt.pt" in line
+    assert read_checkpoint(probe_copy)["step"] == before["step"] == 2
+    assert not list(probe_copy.glob(".*.tmp"))
+    monkeypatch.setattr(torch, "save", real_save)
+    run(f"--out_dir {probe_copy} --resume")  # space again: it continues
+    assert read_checkpoint(probe_copy)["step"] == 6 and steps(probe_copy) == [1, 2, 3, 4, 5, 6]
+
+
+# --- --resume with other flags: honoured (stop_at, device, compile, mirror) or refused, never ignored ---
+
+def test_resume_refuses_flags_it_would_ignore(probe_copy, monkeypatch, capsys):
+    before = snapshot(probe_copy)
+    line = main_error(monkeypatch, capsys, train, ["--out_dir", probe_copy, "--resume", "--lr", "0.5",
+                                                   "--max_iters", "6", "--batch_size", "4"])
+    assert "would ignore --batch_size 4 (saved: 8), --lr 0.5 (saved: 0.001)" in line  # --max_iters 6 agrees
+    assert snapshot(probe_copy) == before
+    line = main_error(monkeypatch, capsys, train, ["--out_dir", probe_copy, "--resume", "--stop_at", "1"])
+    assert "--stop_at 1 is not after the checkpoint's step 2" in line
+    assert snapshot(probe_copy) == before
+    run(f"--out_dir {probe_copy} --resume --stop_at 3 --device cpu --max_iters 6")  # honoured, or as saved
+    assert read_checkpoint(probe_copy)["step"] == 3
+
+
+def test_resume_without_a_run(tmp_path, monkeypatch, capsys):
+    line = main_error(monkeypatch, capsys, train, ["--out_dir", tmp_path / "none", "--resume"])
+    assert "holds no checkpoint to continue" in line and not (tmp_path / "none").exists()
+
+
+# --- the integrity cases of issue 12 ---
+
+def test_1_resume_refuses_a_changed_base(micro_base, tmp_path, monkeypatch, capsys):
+    base, probe = tmp_path / "base", tmp_path / "probe"
+    shutil.copytree(micro_base, base)
+    run(f"--init_from {base} {PROBE} --stop_at 2 --out_dir {probe}")
+    before = snapshot(probe)
+    original = (base / "ckpt.pt").read_bytes()
+    ckpt = torch.load(base / "ckpt.pt", weights_only=True)
+    ckpt["model"]["blocks.0.ln_1.weight"][0] += 1e-3
+    torch.save(ckpt, base / "ckpt.pt")
+    line = main_error(monkeypatch, capsys, train, ["--out_dir", probe, "--resume"])
+    assert f"the base {base} has changed since {probe} was trained on it (sha256 differs)" in line
+    assert snapshot(probe) == before
+    (base / "ckpt.pt").write_bytes(original)  # the base restored: the probe resumes
+    run(f"--out_dir {probe} --resume")
+    assert read_checkpoint(probe)["step"] == 6
+
+
+def test_2_nan_keeps_only_a_checkpoint_that_works(micro_base, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "nan"
+    # a learning rate that grows through warm-up: good for two steps, then the weights overflow
+    line = main_error(monkeypatch, capsys, train, ["--init_from", micro_base, *PROBE.split(), "--max_iters", "40",
+                                                   "--lr", "1e19", "--warmup_iters", "10", "--grad_clip", "0",
+                                                   "--ckpt_interval", "1", "--out_dir", out], strict=False)
+    kept = read_checkpoint(out)["step"]
+    assert kept >= 1 and f"the last good checkpoint, step {kept}, is kept in {out}" in line, line
+    model, _, _ = load_model(str(out))
+    assert torch.isfinite(torch.tensor(val_loss(model, load_nano_split("val"), 32, 1024)))
+    # with no checkpoint due yet, the message names none
+    out = tmp_path / "nan2"
+    line = main_error(monkeypatch, capsys, train, ["--init_from", micro_base, *PROBE.split(), "--lr", "1e30",
+                                                   "--out_dir", out], strict=False)
+    assert "there is no earlier checkpoint" in line and not (out / "ckpt.pt").exists()
+
+
+def test_3_ctrl_c_saves_and_says_how_to_resume(micro_base, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "train.py", "--init_from", micro_base, *PROBE.split(), "--max_iters",
+                             "5000", "--ckpt_interval", "1000", "--out_dir", out], cwd=ROOT, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_for_records(out, 1, proc)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT
+    line = error_line(proc.returncode, stderr, strict=False)
+    stopped = read_checkpoint(out)["step"]
+    assert f"stopped by SIGINT after step {stopped}" in line and f"--out_dir {out} --resume" in line
+    assert steps(out)[-1] == stopped
+    run(f"--out_dir {out} --resume --stop_at {stopped + 2}")
+    assert steps(out) == list(range(1, stopped + 3))
+
+
+def test_4_values_checked_before_training(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    line = main_error(monkeypatch, capsys, train, ["--init_from", "scratch", "--n_layer", "1", "--n_head", "2",
+                                                   "--n_embd", "32", "--block_size", "128", "--max_iters", "3",
+                                                   "--eval_tokens", "100", "--batch_size", "4", "--eval_tasks",
+                                                   "none", "--out_dir", out])
+    assert "--eval_tokens 100 holds no window of --seq_len 128" in line
+    assert not out.exists()
+
+
+def test_5_6_second_run_is_locked_out_and_a_killed_run_resumes(micro_base, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "train.py", "--init_from", micro_base, *PROBE.split(), "--max_iters",
+                              "5000", "--ckpt_interval", "5", "--out_dir", out], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_records(out, 7, first)  # a checkpoint at step 5, records beyond it
+        line = main_error(monkeypatch, capsys, train, ["--out_dir", out, "--resume"])
+        assert f"{out} is in use by process {first.pid} on " in line
+    finally:
+        first.kill()  # SIGKILL: the lock file stays behind, the lock itself goes with the process
+        first.wait()
+    saved = read_checkpoint(out)["step"]
+    assert saved % 5 == 0 and steps(out)[-1] >= saved
+    run(f"--out_dir {out} --resume --stop_at {saved + 3}")  # the stale .lock blocks nothing
+    assert steps(out) == list(range(1, saved + 4))  # cut back to the checkpoint: no step twice
+
+
+def test_5_resume_cuts_metrics_back_to_the_checkpoint(probe_copy):
+    with open(probe_copy / "metrics.jsonl", "a") as f:  # what a run killed after step 4 leaves: ckpt.pt at step 2
+        f.write('{"step": 3, "loss": 9.0}\n{"step": 4, "loss": 9.0}\n{"step": 5, "lo')
+    run(f"--out_dir {probe_copy} --resume --stop_at 4")
+    assert steps(probe_copy) == [1, 2, 3, 4]
+
+
+def test_5_new_run_starts_its_metrics_afresh(micro_base, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 1.0}\n{"step": 3, "lo')
+    run(f"--init_from {micro_base} {PROBE} --stop_at 1 --out_dir {out}")
+    assert steps(out) == [1]
+
+
+# A stand-in for a kill in the middle of writing a checkpoint: torch.save writes half, then the process dies.
+DIE_WHILE_SAVING = """
+import io, os, sys, torch
+real_save = torch.save
+def dying_save(obj, f, *args, **kwargs):
+    if isinstance(obj, dict) and obj.get("step") == 4:
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        half = buf.getvalue()[: len(buf.getvalue()) // 2]
+        if isinstance(f, (str, os.PathLike)):
+            f = open(f, "wb")
+        f.write(half)
+        f.flush()
+        os._exit(137)
+    return real_save(obj, f, *args, **kwargs)
+torch.save = dying_save
+sys.argv[0] = "train.py"
+import train
+train.main()
+"""
+
+
+def test_7_kill_during_a_checkpoint_write(probe_copy):
+    proc = script("-c", DIE_WHILE_SAVING, "--out_dir", probe_copy, "--resume")
+    assert proc.returncode == 137, proc.stderr[-2000:]
+    ckpt, card = read_checkpoint(probe_copy), json.loads((probe_copy / "config.json").read_text())
+    assert ckpt["step"] == 2 and card.get("step", 2) == 2  # config.json never runs ahead of ckpt.pt
+    assert (card["kind"], card["config"], card["base"]) == (ckpt["kind"], ckpt["config"], ckpt["base"])
+    assert (probe_copy / ".ckpt.pt.tmp").exists()  # what the kill left
+    run(f"--out_dir {probe_copy} --resume --stop_at 4")
+    assert not list(probe_copy.glob(".*.tmp")) and read_checkpoint(probe_copy)["step"] == 4
+
+
+def test_8_probe_records_its_base_as_named(micro_base, tmp_path, monkeypatch, capsys):
+    project = tmp_path / "project"
+    shutil.copytree(micro_base, project / "bases" / "b")
+    monkeypatch.setattr(checkpoint, "ROOT", project)
+    run(f"--init_from {project / 'bases' / 'b'} {PROBE} --max_iters 1 --out_dir {project / 'probe'}")
+    assert read_checkpoint(project / "probe")["base"]["init_from"] == "bases/b"
+    assert json.loads((project / "probe" / "config.json").read_text())["base"]["init_from"] == "bases/b"
+    moved = project.rename(tmp_path / "moved")  # the project moves: its probe finds its own base
+    monkeypatch.setattr(checkpoint, "ROOT", moved)
+    model, _, ref = load_model(str(moved / "probe"))
+    assert ref["init_from"] == "bases/b" and model.config.skip
+    shutil.rmtree(moved / "bases")
+    line = main_error(monkeypatch, capsys, sample, ["--init_from", moved / "probe", "--max_new_tokens", "2"])
+    assert f"the probe {moved / 'probe'} cannot load its base 'bases/b'" in line
+    monkeypatch.setattr(checkpoint, "NANO_DIR", Path(micro_base))  # the embedded base is recorded as nano
+    assert load_model("nano", skip=True)[2]["init_from"] == "nano"
+
+
+def test_stopped_embedded_base_is_finished_not_used(stopped_probe, monkeypatch):
+    """A first run stopped while pre-training the embedded base: the next run finishes it; nothing loads it half
+    trained."""
+    monkeypatch.setattr(checkpoint, "NANO_DIR", stopped_probe)
+    monkeypatch.setattr(train, "NANO_DIR", stopped_probe)
+    base_args = train.nano_base_args(train.get_args(["--skip", "--device", "cpu"]))
+    assert base_args.resume and base_args.out_dir == str(stopped_probe) and base_args.max_iters == 6
+    with pytest.raises(checkpoint.CheckpointError, match="the embedded base is not finished"):
+        load_model("nano")
+
+
+@pytest.mark.parametrize("file,content,message", [
+    ("lambada/lambada_test.jsonl", '{"text": "tampered"}\n', "has the wrong sha256"),
+    ("hellaswag/hellaswag_val.jsonl", '{"ctx_a": "cut', "hellaswag_val.jsonl:1: malformed JSON line"),
+])
+def test_9_bad_benchmark_data_stops_before_training(micro_base, tmp_path, monkeypatch, capsys, file, content,
+                                                    message):
+    bad = tmp_path / "mirror" / file
+    bad.parent.mkdir(parents=True)
+    bad.write_text(content)
+    out = tmp_path / "run"
+    line = main_error(monkeypatch, capsys, train, ["--init_from", micro_base, *PROBE.split(), "--eval_tasks",
+                                                   file.split("/")[0], "--mirror", bad.parent.parent,
+                                                   "--out_dir", out])
+    assert message in line and not out.exists()
+
+
+def test_atomic_writer_leaves_nothing_behind_on_failure(tmp_path):
+    """A failed write through the one atomic writer keeps the previous file and removes its temporary."""
+    from data.sources import DataError, write_atomic
+    write_atomic(tmp_path / "x.bin", lambda tmp: tmp.write_bytes(b"abc"))
+    assert (tmp_path / "x.bin").read_bytes() == b"abc"
+
+    def fail(tmp):
+        tmp.write_bytes(b"half")
+        raise OSError(errno.EACCES, "Permission denied")
+
+    with pytest.raises(DataError, match="could not write .*x.bin: Permission denied"):
+        write_atomic(tmp_path / "x.bin", fail)
+    assert (tmp_path / "x.bin").read_bytes() == b"abc" and sorted(os.listdir(tmp_path)) == ["x.bin"]
