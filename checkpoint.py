@@ -92,8 +92,10 @@ def save_checkpoint(folder: Path, model: GPT, *, probe: bool, base_ref: dict | N
 
 
 def model_card(ckpt: dict) -> dict:
-    """config.json of a run folder: what the checkpoint holds, the same at every step of the run."""
-    return {"kind": ckpt["kind"], "config": ckpt["config"], "base": ckpt["base"]}
+    """config.json of a run folder: what the checkpoint holds and the precision it was trained in, the same at every
+    step of the run."""
+    return {"kind": ckpt["kind"], "config": ckpt["config"], "base": ckpt["base"],
+            "dtype": ckpt.get("train_args", {}).get("dtype")}
 
 
 def read_checkpoint(folder: Path, mmap: bool = False) -> dict:

@@ -282,18 +282,16 @@ class GPT(nn.Module):
 
 # --- supporting pieces: RoPE, LoRA, the K/V cache, the chunked training loss ---
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the first cos.shape[-1] dims of each head (rotate-half style); the rest pass through.
-    Computed in x's dtype: under bf16 autocast, fp32 cos/sin would promote q and k to fp32."""
-    n = cos.shape[-1]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x_rot, x_pass = x[..., :n], x[..., n:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+    """RoPE (rotate-half style) on the first cos.shape[-1] dims of each head; the rest pass through.
+
+    The rotated dims form two halves (x1, x2) turned by the angles in cos/sin, whose two halves are equal:
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). Computed in x's dtype: under bf16 autocast, fp32 cos/sin would
+    promote q and k to fp32."""
+    h = cos.shape[-1] // 2
+    cos, sin = cos[..., :h].to(x.dtype), sin[..., :h].to(x.dtype)
+    x1, x2, x_pass = x[..., :h], x[..., h:2 * h], x[..., 2 * h:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x_pass), dim=-1)
 
 
 class LoRALinear(nn.Linear):

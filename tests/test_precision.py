@@ -47,6 +47,7 @@ def test_bf16_probe_holds_the_frozen_base_in_bf16_once(micro_base, tmp_path, cap
         assert torch.equal(held[name], t.to(held[name].dtype)), name
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}  # fp32 masters
     assert read_checkpoint(tmp_path / "p")["train_args"]["dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "p" / "config.json").read_text())["dtype"] == "bfloat16"
     eval_json = json.loads((tmp_path / "p" / "eval.json").read_text())
     assert eval_json["benchmarks"]["settings"]["dtype"] == "bfloat16"
     assert all(math.isfinite(v) for v in results["val_loss"]["trained"].values())
