@@ -12,8 +12,9 @@ Per layer of each checkpoint:
   causal weight the increase in held-out loss when that layer's skip alone is zeroed
 Held-out text is the run's own training domain, through the model's own tokenizer: WikiText-103 validation for a
 probe trained on WikiText (the paper's), the State of the Union speeches from 1993 on (the `val` split) for the
-embedded probe, a held-out book for a model pre-trained here; the output names it. Checkpoints that differ only
-in their seed are drawn as one line (mean) with a band (min-max). Writes layers.png (every measure),
+embedded probe, the held-out book's last chapters for a probe on its first (`--data books`), a held-out book for a
+model pre-trained here; the output names it. Checkpoints that differ only in their seed are drawn as one line (mean)
+with a band (min-max). Writes layers.png (every measure),
 layers_<measure>.png (one each) and layers.csv to --out. Two growth statistics are printed, each labelled: ours (the
 last quarter of layers over the first three quarters) and the paper's (the last layer over the first).
 """
@@ -39,6 +40,7 @@ from data.sources import DataError, write_error
 from evaluation import val_loss
 from model import GPT
 from precision import DTYPES, for_inference, resolve_dtype
+from stats import last_over_first, trend
 
 DEFAULT_RUN = ROOT / "out" / "nano-preproj-skip"
 
@@ -188,13 +190,14 @@ def identity(arg: str, model: GPT, train_args: dict | None) -> tuple[str, str, s
 def heldout_of(train_args: dict | None, tokenizer) -> str:
     """The held-out text in the domain the run trained on (a HELDOUT_TEXT key): WikiText validation for a WikiText
     probe, the `val` split for a probe on the embedded corpus (and for checkpoints whose training is unknown), the
-    held-out book for a model pre-trained from scratch on the books."""
+    book's last chapters for a probe on its first, the held-out book for a model pre-trained from scratch on the
+    books."""
     if not train_args:
         return "val"
     if train_args["init_from"] == "scratch":
         return "val_books"
     data = probe_data(train_args.get("data", "auto"), train_args["init_from"], tokenizer)
-    return "wikitext" if data == "wikitext103" else "val"
+    return {"wikitext103": "wikitext", "books": "books_test"}.get(data, "val")
 
 
 def analyse(arg: str, args: argparse.Namespace, streams: dict) -> Analysis | None:
@@ -248,18 +251,6 @@ def paper_series() -> list[Analysis]:
     return [Analysis(label=name, group=name, group_name=name, n_layer=len(norms), values={"norm_skip": norms},
                      init={"norm_skip": PAPER_SKIP_INIT_STD * d}, quoted=True)
             for name, (d, norms) in PAPER_SKIP_NORMS.items()]
-
-
-def trend(values: list[float]) -> float:
-    """Ours: the mean of the last quarter of layers over the mean of the first three quarters (where the paper
-    says the growth is)."""
-    cut = len(values) - max(1, len(values) // 4)
-    return float(np.mean(values[cut:]) / np.mean(values[:cut])) if cut else math.nan
-
-
-def last_over_first(values: list[float]) -> float:
-    """The paper's statistic: the last layer's value over the first layer's (its "2.3x" at 160M)."""
-    return float(values[-1] / values[0]) if values[0] else math.nan
 
 
 def trend_lines(a: Analysis) -> str:

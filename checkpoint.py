@@ -59,6 +59,7 @@ def run_name(settings: dict) -> str:
     parts = ["scratch" if init == "scratch" else Path(init.rstrip("/")).name]
     parts += [s for s in ("preproj", "skip") if settings.get(s)]
     parts += [f"lora{settings['lora_rank']}"] if settings.get("lora_rank") else []
+    parts += [f"adapter{settings['adapter_dim']}"] if settings.get("adapter_dim") else []
     parts += ["fullft"] if settings.get("full_finetune") else []
     return "-".join(parts)
 
@@ -168,13 +169,13 @@ def append_metrics(log: TextIO, record: dict) -> None:
 
 
 def load_model(init_from: str, *, preproj: bool = False, skip: bool = False, lora_rank: int = 0,
-               lora_alpha: float = 0.0, mirror: str | None = None) -> tuple[GPT, Tokenizer, dict]:
+               lora_alpha: float = 0.0, adapter_dim: int = 0, mirror: str | None = None) -> tuple[GPT, Tokenizer, dict]:
     """Resolve --init_from to (model in fp32 on the CPU, its tokenizer, a reference to the base weights).
 
     The switches apply to bases (nano, Pythia, HF folders, full checkpoints); a probe checkpoint brings its own.
     The reference is {"init_from": how to load the base, "sha256": its fingerprint}.
     """
-    switches = dict(preproj=preproj, skip=skip, lora_rank=lora_rank, lora_alpha=lora_alpha)
+    switches = dict(preproj=preproj, skip=skip, lora_rank=lora_rank, lora_alpha=lora_alpha, adapter_dim=adapter_dim)
     if init_from == "nano":
         if nano_status() != "ready":
             raise CheckpointError(f"the embedded base is {nano_status()}; run `python train.py` once to pre-train it")
@@ -260,7 +261,8 @@ def _load_run(folder: Path, switches: dict, mirror: str | None) -> tuple[GPT, To
         return model, tok, {"init_from": portable_name(str(folder)), "sha256": weights_sha256(model)}
     # A probe: load its base with the probe's own switches, check the fingerprint, attach the new parameters.
     base_ref = ckpt["base"]
-    probe_switches = {k: ckpt["config"][k] for k in SWITCHES}
+    probe_config = GPTConfig(**ckpt["config"])  # a switch newer than the checkpoint takes its default (off)
+    probe_switches = {k: getattr(probe_config, k) for k in SWITCHES}
     try:
         model, _, _ = load_model(base_location(base_ref["init_from"]), **probe_switches, mirror=mirror)
     except CheckpointError as e:

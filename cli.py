@@ -25,6 +25,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip", action="store_true", help="add the content skip W_skip around attention")
     p.add_argument("--lora_rank", type=nonneg_int, default=0, help="LoRA rank on query_key_value and dense (0 = off)")
     p.add_argument("--lora_alpha", type=nonneg_float, default=0.0, help="LoRA alpha (0 = 2 * rank, as the paper)")
+    p.add_argument("--adapter_dim", type=nonneg_int, default=0,
+                   help="capacity control: a parallel MLP adapter of this inner size beside attention (0 = off)")
     p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="compute precision: auto = bf16 where the device has native bf16 matrix units, else fp32 "

@@ -178,8 +178,8 @@ def map_state_dict(hf_state: dict[str, torch.Tensor],
 
 
 def load_pythia(name_or_dir: str, *, preproj: bool = False, skip: bool = False, lora_rank: int = 0,
-                lora_alpha: float = 0.0, revision: str | None = None, dtype: torch.dtype = torch.float32,
-                device: str = "cpu") -> GPT:
+                lora_alpha: float = 0.0, adapter_dim: int = 0, revision: str | None = None,
+                dtype: torch.dtype = torch.float32, device: str = "cpu") -> GPT:
     """A Pythia / GPT-NeoX model from a Hub name or a local Hugging Face folder, with the research switches.
 
     The base weights are copied exactly; the new parameters get the paper's initialisation.
@@ -194,7 +194,8 @@ def load_pythia(name_or_dir: str, *, preproj: bool = False, skip: bool = False, 
     except ValueError as e:  # not UTF-8, or not JSON
         raise ValueError(f"{cfg_path} is not a readable JSON file ({e})") from e
     try:
-        config = config_from_hf(hf_config, preproj=preproj, skip=skip, lora_rank=lora_rank, lora_alpha=lora_alpha)
+        config = config_from_hf(hf_config, preproj=preproj, skip=skip, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                                adapter_dim=adapter_dim)
     except ValueError as e:
         raise ValueError(f"{cfg_path}: {e}") from e
     model = GPT(config)
@@ -230,13 +231,14 @@ def read_tokenizer(path: str) -> Tokenizer:
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """Our base weights under Hugging Face's names, each LoRA update merged into its weight: W + (alpha / r) B A.
 
-    ValueError for what a GPT-NeoX cannot hold: pre-projection and the content skip change the block itself.
+    ValueError for what a GPT-NeoX cannot hold: pre-projection, the skip and the adapter change the block itself.
     """
     c = model.config
-    if c.preproj or c.skip:
-        raise ValueError("pre-projection and the content skip change the attention block, so no GPT-NeoX folder can "
-                         "hold this model; evaluate it with lm-evaluation-harness through our adapter instead: "
-                         "python eval_lambada.py --init_from <this model> --harness <tasks> (docs/harness.md)")
+    if c.preproj or c.skip or c.adapter_dim:
+        raise ValueError("pre-projection, the content skip and the capacity adapter change the block, so no "
+                         "GPT-NeoX folder can hold this model; evaluate it with lm-evaluation-harness through our "
+                         "adapter instead: python eval_lambada.py --init_from <this model> --harness <tasks> "
+                         "(docs/harness.md)")
     if not c.bias:  # GPT-NeoX's MLP always has biases
         raise ValueError("a model without biases has no GPT-NeoX form")
     merged = {f"{name}.weight": m.merged_weight() for name, m in model.named_modules()

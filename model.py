@@ -15,7 +15,9 @@ One block (without pre-projection x_tilde = x_hat; without the skip its branch i
                    (a sequential block feeds h to ln_2 instead of x)
 
 Pythia's block is parallel (out = x + attn + skip + mlp(ln_2 x)); a sequential block feeds h to ln_2 instead.
-In-house LoRA on the fused QKV and attention output projections serves the paper's comparison. Everything here
+In-house LoRA on the fused QKV and attention output projections serves the paper's comparison, and a parallel MLP
+adapter (`adapter_dim`) serves as its capacity control: as many new parameters as pre-projection + skip, none of
+them on attention's input. Everything here
 is plain PyTorch with no I/O; loading Hugging Face weights lives in load_pythia.py.
 
 Reading order: GPTConfig, CausalSelfAttention, MLP, Block, GPT; then the supporting pieces (RoPE, LoRA, the K/V
@@ -33,9 +35,9 @@ import torch.nn.functional as F
 
 # The research switches: what a probe adds to a base. Scripts expose them as flags, checkpoints store them,
 # run names are built from them.
-SWITCHES = ("preproj", "skip", "lora_rank", "lora_alpha")
+SWITCHES = ("preproj", "skip", "lora_rank", "lora_alpha", "adapter_dim")
 # Names that mark the parameters those switches add on top of a GPT-NeoX base.
-NEW_PARAM_MARKERS = ("w_up", "w_down", "w_skip", "lora_a", "lora_b")
+NEW_PARAM_MARKERS = ("w_up", "w_down", "w_skip", "lora_a", "lora_b", "w_a_up", "w_a_down")
 # Logits per chunk of the training loss (2**26 floats = 256 MB in fp32): large enough that the output layer's
 # matrix products stay efficient, small enough that the full [tokens, vocab] logits never exist.
 LOSS_CHUNK = 2**26
@@ -60,6 +62,7 @@ class GPTConfig:
     skip: bool = False
     lora_rank: int = 0
     lora_alpha: float = 0.0  # 0 means 2 * lora_rank (the paper's alpha = 2r)
+    adapter_dim: int = 0  # capacity control: inner size of a parallel MLP adapter on x_hat (0 = off)
     preproj_init_std: float = 0.01
     skip_init_std: float = 1e-4
 
@@ -141,6 +144,13 @@ class Block(nn.Module):
         self.w_up = nn.Linear(d, e, bias=False) if config.preproj else None
         self.w_down = nn.Linear(e, d, bias=False) if config.preproj else None
         self.w_skip = nn.Linear(d, d, bias=False) if config.skip else None
+        # The capacity control (not in the paper): W_a_down · SiLU(W_a_up · x_hat) added to the residual stream.
+        # It reads the same x_hat as the pre-projection and is the same kind of MLP, but Q, K and V never see it:
+        # sized to pre-projection + skip's parameter count, it tells "a better input to Q/K/V" apart from "more
+        # trainable parameters in every block".
+        a = config.adapter_dim
+        self.w_a_up = nn.Linear(d, a, bias=False) if a else None
+        self.w_a_down = nn.Linear(a, d, bias=False) if a else None
 
     def pre_projection(self, x_hat: torch.Tensor) -> torch.Tensor:
         """x_tilde = x_hat + W_down · SiLU(W_up · x_hat); the identity when pre-projection is off."""
@@ -155,6 +165,8 @@ class Block(nn.Module):
         h = x + self.attn(x_tilde, cos, sin, cache, layer)
         if self.w_skip is not None:  # content skip: x_tilde reaches the residual without attention
             h = h + self.w_skip(x_tilde)
+        if self.w_a_up is not None:  # capacity control: beside attention, never in front of it
+            h = h + self.w_a_down(F.silu(self.w_a_up(x_hat)))
         # Parallel: the MLP reads the block input; sequential: it reads the attention output.
         return h + self.mlp(self.ln_2(x if self.parallel else h))
 
@@ -182,12 +194,20 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_new_params(self) -> None:
-        """The paper's initialisation: W_up, W_down ~ N(0, 0.01); W_skip ~ N(0, 1e-4); LoRA B = 0."""
+        """The paper's initialisation: W_up, W_down ~ N(0, 0.01); W_skip ~ N(0, 1e-4); LoRA B = 0.
+
+        The capacity control's W_a_up, W_a_down are drawn as the pre-projection's, N(0, 0.01): the two arms then
+        differ only in where the MLP's output goes. It starts near, not at, the base (its output is ~1e-2 of a
+        normed input, as x_tilde - x_hat is); a zero W_a_down would start exactly at the base but leave W_a_up
+        without a gradient at first, a different optimisation path from the pre-projection it controls for."""
         c = self.config
         for block in self.blocks:
             if c.preproj:
                 nn.init.normal_(block.w_up.weight, std=c.preproj_init_std)
                 nn.init.normal_(block.w_down.weight, std=c.preproj_init_std)
+            if c.adapter_dim:
+                nn.init.normal_(block.w_a_up.weight, std=c.preproj_init_std)
+                nn.init.normal_(block.w_a_down.weight, std=c.preproj_init_std)
             if c.skip:
                 nn.init.normal_(block.w_skip.weight, std=c.skip_init_std)
             block.attn.qkv.reset_lora()

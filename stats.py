@@ -1,5 +1,6 @@
 """
-Paired statistics for two evaluations of the same items (compare.py and experiment scripts use them).
+Paired statistics for evaluations of the same items (compare.py and experiments.py use them), and the growth over
+depth of a per-layer series (analyze_layers.py and experiments.py).
 
 Both evaluations scored the same passages and questions, so their differences are paired: resampling items (not
 the two evaluations separately) removes the item-to-item variation both share, and for accuracies only the items
@@ -18,25 +19,50 @@ SEED = 1234
 LEVEL = 0.95
 
 
+def resampled_sums(columns: np.ndarray, resamples: int = RESAMPLES, seed: int = SEED) -> np.ndarray:
+    """[resamples, k]: for each of `resamples` draws of the n items (the rows of columns [n, k]) with replacement,
+    each column's sum over the drawn items. Every column sees the same draws: that is what pairs a comparison."""
+    columns = np.asarray(columns, dtype=np.float64)
+    n = len(columns)
+    rng = np.random.default_rng(seed)
+    rows = max(1, 2 ** 22 // n)  # draws per chunk, so that the index matrix stays near 32 MB
+    sums = []
+    for start in range(0, resamples, rows):
+        m = min(rows, resamples - start)
+        idx = rng.integers(0, n, size=(m, n))
+        counts = np.bincount((idx + n * np.arange(m)[:, None]).ravel(), minlength=m * n).reshape(m, n)
+        sums.append(counts @ columns)  # how often each item was drawn, times its value: one product for all columns
+    return np.concatenate(sums)
+
+
+def paired_intervals(sides: dict[str, tuple[Sequence[float], Sequence[float]]], pairs: list[tuple[str, str]],
+                     transform: Callable = lambda x: x, resamples: int = RESAMPLES, seed: int = SEED,
+                     level: float = LEVEL) -> dict[tuple[str, str], tuple[float, float]]:
+    """For each pair (A, B) of named sides (num, den) over the same n items: the percentile interval of
+    metric(B) - metric(A), metric = transform(sum(num) / sum(den)), over `resamples` draws of the items with
+    replacement. All pairs share the draws, so a table of comparisons is one bootstrap, not many."""
+    names = list(sides)
+    arrays = [np.asarray(x, dtype=np.float64) for name in names for x in sides[name]]
+    n = len(arrays[0])
+    if n == 0 or any(len(a) != n for a in arrays):
+        raise ValueError(f"paired bootstrap needs equally many items on both sides, got {[len(a) for a in arrays]}")
+    sums = resampled_sums(np.stack(arrays, axis=1), resamples, seed)
+    metric = {name: transform(sums[:, 2 * i] / sums[:, 2 * i + 1]) for i, name in enumerate(names)}
+    tail = (1 - level) / 2 * 100
+    intervals = {}
+    for a, b in pairs:
+        low, high = np.percentile(metric[b] - metric[a], [tail, 100 - tail])
+        intervals[(a, b)] = (float(low), float(high))
+    return intervals
+
+
 def paired_bootstrap(num_a: Sequence[float], den_a: Sequence[float], num_b: Sequence[float],
                      den_b: Sequence[float], transform: Callable = lambda x: x, resamples: int = RESAMPLES,
                      seed: int = SEED, level: float = LEVEL) -> tuple[float, float]:
     """Percentile interval of metric(B) - metric(A), metric = transform(sum(num) / sum(den)), over `resamples`
     draws of n items with replacement; each draw picks the same items for A and B."""
-    arrays = [np.asarray(x, dtype=np.float64) for x in (num_a, den_a, num_b, den_b)]
-    n = len(arrays[0])
-    if n == 0 or any(len(a) != n for a in arrays):
-        raise ValueError(f"paired bootstrap needs equally many items on both sides, got {[len(a) for a in arrays]}")
-    rng = np.random.default_rng(seed)
-    rows = max(1, 2 ** 22 // n)  # draws per chunk, so that the index matrix stays near 32 MB
-    diffs = []
-    for start in range(0, resamples, rows):
-        idx = rng.integers(0, n, size=(min(rows, resamples - start), n))
-        na, da, nb, db = (a[idx].sum(axis=1) for a in arrays)
-        diffs.append(transform(nb / db) - transform(na / da))
-    tail = (1 - level) / 2 * 100
-    low, high = np.percentile(np.concatenate(diffs), [tail, 100 - tail])
-    return float(low), float(high)
+    sides = {"a": (num_a, den_a), "b": (num_b, den_b)}
+    return paired_intervals(sides, [("a", "b")], transform, resamples, seed, level)[("a", "b")]
 
 
 def mcnemar_exact(correct_a: Sequence[bool], correct_b: Sequence[bool]) -> float:
@@ -96,3 +122,28 @@ def compare_items(a_records: list[dict], b_records: list[dict], resamples: int =
                 row["b_only"] = sum(1 for x, y in zip(right_a, right_b) if y and not x)
             rows.append(row)
     return rows
+
+
+def seed_mean(runs: list[list[dict]], metric) -> tuple[np.ndarray, np.ndarray]:
+    """Per item, a metric's numerator and denominator (an evaluation.Metric) averaged over several evaluations of
+    the same items, e.g. a method's seeds. Its paired bootstrap then resamples items for the seed-averaged metric:
+    the item-to-item noise of a mean over seeds (the seeds' own spread is a separate number)."""
+    for recs in runs[1:]:
+        check_same_items(by_task(runs[0]), by_task(recs))
+    num = np.mean([[metric.num(r) for r in recs] for recs in runs], axis=0)
+    den = np.mean([[metric.den(r) for r in recs] for recs in runs], axis=0)
+    return num, den
+
+
+# --- growth over depth of a per-layer series (analyze_layers.py, experiments.py) ---
+
+def trend(values: list[float]) -> float:
+    """Ours: the mean of the last quarter of layers over the mean of the first three quarters (where the paper
+    says the growth is)."""
+    cut = len(values) - max(1, len(values) // 4)
+    return float(np.mean(values[cut:]) / np.mean(values[:cut])) if cut else math.nan
+
+
+def last_over_first(values: list[float]) -> float:
+    """The paper's statistic: the last layer's value over the first layer's (its "2.3x" at 160M)."""
+    return float(values[-1] / values[0]) if values[0] else math.nan

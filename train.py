@@ -64,6 +64,7 @@ from cli import (
 )
 from data.prepare import (
     NANO_DATA,
+    PROBE_SPLITS,
     load_nano_split,
     prepare_nano,
     probe_data,
@@ -103,8 +104,10 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the paper's precision: weights and AdamW state in bf16 with no fp32 master copy, LoRA "
                         "adapters in fp32 (on with --paper; --no-pure_bf16 keeps fp32 masters)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
-    g.add_argument("--data", default="auto", choices=["auto", "corpus", "wikitext103"],
-                   help="probe text: the embedded corpus, or the paper's WikiText-103 lines (needs network)")
+    g.add_argument("--data", default="auto", choices=["auto", "corpus", "books", "wikitext103"],
+                   help="probe text: the embedded corpus's State of the Union speeches (corpus), its held-out "
+                        "book's first chapters (books, the base's own domain), or the paper's WikiText-103 lines "
+                        "(needs network)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max_iters", type=positive_int, default=150)
     g.add_argument("--batch_size", type=positive_int, default=16,
@@ -192,10 +195,11 @@ def load_data(args, tokenizer: Tokenizer) -> tuple[object, dict[str, np.ndarray]
     if args.init_from == "scratch":
         return load_nano_split("pretrain"), {"val_books": load_nano_split("val_books")}
     data = probe_data(args.data, args.init_from, tokenizer)
-    vals = {name: split_tokens(name, tokenizer, args.mirror) for name in ("val", "val_books")}
+    train_split, heldout = PROBE_SPLITS.get(data, PROBE_SPLITS["corpus"])
+    vals = {name: split_tokens(name, tokenizer, args.mirror) for name in heldout}
     if data == "wikitext103":
         return wikitext103_probe_lines(tokenizer, max_tokens=args.seq_len), vals
-    return split_tokens("probe", tokenizer, args.mirror), vals
+    return split_tokens(train_split, tokenizer, args.mirror), vals
 
 
 def lr_at(step: int, args) -> float:

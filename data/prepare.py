@@ -12,6 +12,16 @@ Splits (no document is in two of them):
   val_books  a held-out book, Chesterton's "The Man Who Was Thursday" (the base's domain)
 The tokenizer (vocab 8192, `<|endoftext|>` = 0 between documents) is trained on `pretrain` only.
 
+Parts of the held-out splits, for the experiment (experiments.py, docs/experiment.md), which needs text of each
+domain for three uses that must not overlap: training a probe, choosing its learning rate, the reported loss.
+They are cut from `val` and `val_books` by whole documents or chapters and tokenised on demand; the four splits
+above, their cached streams and so the embedded base stay exactly as they are.
+  sotu_search  State of the Union addresses 1993-1996 (learning-rate search)
+  sotu_test    State of the Union addresses 1997-2006 (reported held-out loss)
+  books_train  the held-out book's front matter and chapters I-IX: the in-distribution probe's training text
+  books_search its chapters X-XI (learning-rate search)
+  books_test   its chapters XII-XV (reported held-out loss)
+
 For real Pythia runs the probe text is the paper's: the first 2,000 lines of WikiText-103 train with more than
 50 characters, unstripped (downloaded; see `wikitext103_probe_lines`).
 """
@@ -20,6 +30,7 @@ import argparse
 import io
 import json
 import os
+import re
 import zipfile
 from pathlib import Path
 from typing import Iterable
@@ -35,6 +46,11 @@ VOCAB_SIZE = 8192
 HELD_OUT_BOOK = "chesterton-thursday.txt"
 PROBE_LAST_YEAR = 1992
 SPLITS = ("pretrain", "probe", "val", "val_books")
+SEARCH_LAST_YEAR = 1996  # val addresses up to this year form sotu_search, the later ones sotu_test
+BOOK_PARTS = {"books_train": (0, 9), "books_search": (10, 11), "books_test": (12, 15)}  # chapters; 0 = front matter
+PARTS = ("sotu_search", "sotu_test", *BOOK_PARTS)
+# train.py's --data for the embedded corpus: (the split a probe trains on, the held-out splits it reports)
+PROBE_SPLITS = {"corpus": ("probe", ("val", "val_books")), "books": ("books_train", ("val", "books_test"))}
 WIKITEXT103 = "https://wikitext.smerity.com/wikitext-103-raw-v1.zip"
 
 
@@ -53,6 +69,18 @@ def corpus_splits(mirror: str | None = None) -> dict[str, list[Path]]:
 
 def read_docs(paths: list[Path]) -> list[str]:
     return [p.read_text(encoding="utf-8").strip() for p in paths]
+
+
+def part_docs(name: str, mirror: str | None = None) -> list[str]:
+    """The documents of a PARTS entry: whole addresses of `val`, or a run of whole chapters of the held-out book
+    (chapters joined by the newline that separated them, so the three book parts rejoin into the book)."""
+    splits = corpus_splits(mirror)
+    if name.startswith("sotu_"):
+        search = name == "sotu_search"
+        return read_docs([p for p in splits["val"] if (int(p.name[:4]) <= SEARCH_LAST_YEAR) == search])
+    first, last = BOOK_PARTS[name]
+    chapters = re.split(r"\n(?=CHAPTER [IVXL]+\n)", read_docs(splits["val_books"])[0])
+    return ["\n".join(chapters[first:last + 1])]
 
 
 def train_tokenizer(docs: list[str], vocab_size: int = VOCAB_SIZE) -> Tokenizer:
@@ -114,8 +142,11 @@ def is_nano_tokenizer(tok: Tokenizer) -> bool:
 
 
 def split_tokens(name: str, tok: Tokenizer, mirror: str | None = None) -> np.ndarray:
-    """A corpus split in a model's own tokens: the cached stream for the embedded tokenizer, otherwise the split
-    encoded afresh with the model's tokenizer (e.g. Pythia's, for offline runs of Pythia-shaped models)."""
+    """A corpus split (or a part of one, PARTS) in a model's own tokens: the cached stream for the embedded
+    tokenizer, otherwise the split encoded afresh with the model's tokenizer (e.g. Pythia's, for offline runs of
+    Pythia-shaped models). Parts are small and always encoded afresh."""
+    if name in PARTS:
+        return encode_stream(tok, part_docs(name, mirror))
     if is_nano_tokenizer(tok):
         return load_nano_split(name)
     return encode_stream(tok, read_docs(corpus_splits(mirror)[name]))
@@ -161,6 +192,7 @@ def wikitext103_probe_lines(tok: Tokenizer, n_lines: int = 2000, min_chars: int 
 HELDOUT_TEXT = {
     "val": "held-out State of the Union speeches 1993-2006 (`val`, the embedded probe's domain)",
     "val_books": "a held-out book (`val_books`, the embedded base's pre-training domain)",
+    "books_test": "the held-out book's last chapters (`books_test`; the in-distribution probe trains on its first)",
     "wikitext": "WikiText-103 validation lines (the paper's probe domain)",
 }
 
