@@ -192,20 +192,21 @@ def last_error(log: Path) -> str:
 
 
 def ensure_base(name: str, init_from: str, args) -> bool:
-    """Build a base that train.py makes (the embedded one, the study base) when missing; False in a dry run
-    when the base does not exist yet (its width, which sizes the methods, is unknown until it does)."""
-    if init_from == "nano" and not (NANO_DIR / "ckpt.pt").is_file():
-        # train.py pre-trains the embedded base on first use; zero steps of a probe make it do just that
-        build = args.out / name / "build"
-        argv = command("train.py", "--init_from", "nano", "--skip", "--max_iters", 0, "--eval_tasks", "none",
-                       "--eval_tokens", 256, "--out_dir", build, *shared_flags(args))
-    elif init_from == str(STUDY_DIR) and not (STUDY_DIR / "eval.json").is_file():
-        resume = (STUDY_DIR / "ckpt.pt").is_file()
-        argv = command("train.py", *(["--resume"] if resume else STUDY_RECIPE.split()), "--out_dir", STUDY_DIR,
-                       *shared_flags(args))
-    else:
+    """Build a base that train.py makes (the embedded one, the study base) unless it is finished (its eval.json);
+    resume it from its checkpoint when it was interrupted. False in a dry run when the base does not exist yet
+    (its width, which sizes the methods, is unknown until it does)."""
+    folder = NANO_DIR if init_from == "nano" else Path(init_from).resolve()
+    if folder not in (NANO_DIR, STUDY_DIR) or (folder / "eval.json").is_file():
         return True
-    print(f"[base] {name}: pre-training it first", flush=True)
+    resume = (folder / "ckpt.pt").is_file()
+    if resume:
+        argv = command("train.py", "--out_dir", folder, "--resume", *shared_flags(args))
+    elif folder == STUDY_DIR:
+        argv = command("train.py", *STUDY_RECIPE.split(), "--out_dir", folder, *shared_flags(args))
+    else:  # train.py pre-trains the embedded base on first use; a probe of zero steps makes it do just that
+        argv = command("train.py", "--init_from", "nano", "--skip", "--max_iters", 0, "--eval_tasks", "none",
+                       "--eval_tokens", 256, "--out_dir", args.out / name / "build", *shared_flags(args))
+    print(f"[base] {name}: {'resuming its pre-training' if resume else 'pre-training it first'}", flush=True)
     rc, _ = execute(argv, args.out / name / "base.log", args)
     if rc:
         raise SystemExit(f"error: building the {name} base failed: {last_error(args.out / name / 'base.log')}")
@@ -799,7 +800,10 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=["auto", *DTYPES], help="passed to every script (default: auto)")
     p.add_argument("--mirror", default=None, help="offline data mirror folder (default: $PREPROJ_MIRROR)")
     args = p.parse_args(argv)
-    bases = dict(b.split("=", 1) for b in args.bases.split(",") if "=" in b) if args.bases else BASES
+    pairs = [b.split("=", 1) for b in args.bases.split(",") if b]
+    if any(len(pair) != 2 or not all(pair) for pair in pairs):
+        raise SystemExit(f"error: --bases {args.bases!r}: expected NAME=MODEL,... (e.g. nano=nano,p160=pythia-160m)")
+    bases = dict(pairs) or BASES
     args.bases, args.settings, args.methods = select(args.only, bases)
     args.tasks = [t for t in args.tasks.split(",") if t]
     if any(t not in TASKS for t in args.tasks) or args.steps < 1 or args.seeds < 1:

@@ -15,6 +15,7 @@ import experiments
 from checkpoint import load_model, read_checkpoint, run_name
 from conftest import MICRO, make_hf_model, run
 from evaluation import item_record
+from load_pythia import hf_state_dict
 from model import GPT, GPTConfig
 
 # --- the size rules scale the paper's choices; at Pythia's widths they give the paper's own numbers ---
@@ -90,6 +91,8 @@ def test_capacity_probe_trains_only_the_adapter_and_reattaches(micro_base, tmp_p
     # --data books trains on the book's first chapters and reports its last ones, never the whole book
     assert set(results["val_loss"]["trained"]) == {"val", "books_test"}
     assert run_name({"init_from": "nano", "adapter_dim": 48}) == "nano-adapter48"
+    with pytest.raises(ValueError, match="capacity adapter"):  # no GPT-NeoX folder can hold it
+        hf_state_dict(model)
 
 
 # --- the held-out parts of the corpus ---
