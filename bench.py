@@ -336,6 +336,7 @@ def bench_precision(steps: list, seq: int, reps: int, device: str) -> list[dict]
     against plain autocast (what holding it buys); and the achieved FLOP rate against the peak matrix-product rate
     in bf16."""
     rows, bf16 = [], torch.bfloat16
+    peak = peak_matmul_rate(2048 if device == "cpu" else 8192, bf16, device, reps)
     for shape, what, batch, target in steps:
         torch.manual_seed(0)
         probe = what == "probe"
@@ -358,7 +359,6 @@ def bench_precision(steps: list, seq: int, reps: int, device: str) -> list[dict]
                          "ours": batch * seq / t["bf16"], "reference": batch * seq / t["autocast"], "unit": "tok/s",
                          "ratio": t["autocast"] / t["bf16"], "target": "-"})
         flops = train_flops(shape_config(shape, switches=probe), seq, frozen_base=probe) * batch
-        peak = peak_matmul_rate(2048 if device == "cpu" else 8192, bf16, device, reps)
         rows.append({"section": 6, "what": f"{name}, bf16: achieved / peak matrix-product FLOP rate",
                      "ours": flops / t["bf16"] / 1e9, "reference": peak / 1e9, "unit": "GFLOP/s",
                      "ratio": flops / t["bf16"] / peak, "target": "-"})

@@ -175,7 +175,7 @@ def keep_freed_memory() -> bool:
 
     A training step frees and re-allocates the same activations every time. By default glibc returns blocks over
     32 MB, and a free heap top over 64 MB, to the OS, so the next step page-faults and zeroes them all over again
-    (README, "Performance", measures the cost). PyTorch's caching allocator does this on CUDA; this is the CPU
+    (docs/performance.md measures the cost). PyTorch's caching allocator does this on CUDA; this is the CPU
     counterpart. Linux with glibc only; returns whether it took effect.
     """
     if sys.platform != "linux":

@@ -10,7 +10,9 @@ Which precision a run computes in, and how the model's weights are held for it.
     auto       bfloat16 on a CPU with native bf16 matrix instructions (AVX512-BF16 or AMX) and on CUDA devices
                that support bf16; float32 elsewhere
 
-Evaluation in bf16 casts the whole model to bf16 (as the paper evaluates); its log-softmax stays in fp32.
+Evaluation in bf16 (for_inference) holds every Linear layer's weights in bf16 under autocast, so it gives the numbers
+the end of a bf16 training run gives; under the paper's protocol it casts the whole model to bf16, as the author
+evaluates. Its log-softmax over the vocabulary stays in fp32 either way.
 """
 
 from contextlib import nullcontext

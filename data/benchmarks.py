@@ -12,6 +12,7 @@ EleutherAI's lm-evaluation-harness prepares them, so that our numbers compare wi
 Each reader returns plain Python data; scoring lives in evaluation.py.
 """
 
+import io
 import json
 import re
 from dataclasses import dataclass
@@ -132,8 +133,8 @@ def wikitext_paper_lines(mirror: str | None = None, n_lines: int = 300, min_char
     per line of this file, newline kept): the line is returned unstripped, leading space and newline included,
     because that is what was tokenised.
     """
-    with open(fetch(WIKITEXT_VALID, mirror), encoding="utf-8") as f:
-        return [(i, line) for i, line in zip(range(n_lines), f) if len(line.strip()) >= min_chars]
+    lines = io.StringIO(read_text(fetch(WIKITEXT_VALID, mirror)))  # a line at a time, its newline kept
+    return [(i, line) for i, line in zip(range(n_lines), lines) if len(line.strip()) >= min_chars]
 
 
 def wikitext_lines(mirror: str | None = None) -> list[str]:
