@@ -141,7 +141,7 @@ def test_search_picks_the_lowest_search_loss_and_skips_finished_runs(tmp_path, m
 def test_moved_shares(micro_base, tmp_path):
     args = SimpleNamespace(mirror=None)
     common = f"--init_from {micro_base} --preproj --skip {MICRO} --max_iters 2 --warmup_iters 1 --eval_tokens 64"
-    run(f"{common} --lr 0 --min_lr 0 --out_dir {tmp_path / 'still'}")
+    run(f"{common} --lr 1e-30 --min_lr 0 --out_dir {tmp_path / 'still'}")
     assert experiments.moved_shares(tmp_path / "still", args) == {"w_up": 0.0, "w_down": 0.0, "w_skip": 0.0}
     run(f"{common} --lr 1e-5 --min_lr 1e-5 --out_dir {tmp_path / 'fp32'}")
     run(f"{common} --lr 1e-5 --min_lr 1e-5 --pure_bf16 --out_dir {tmp_path / 'bf16'}")
