@@ -207,7 +207,7 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """
     c = model.config
     if c.preproj or c.skip or c.adapter_dim:
-        raise ValueError("pre-projection, the content skip and the capacity adapter change the block, so no "
+        raise ValueError("pre-projection and the content skip (and the capacity adapter) change the block, so no "
                          "GPT-NeoX folder can hold this model; evaluate it with lm-evaluation-harness through our "
                          "adapter instead: python eval_lambada.py --init_from <this model> --harness <tasks> "
                          "(docs/harness.md)")

@@ -290,7 +290,7 @@ def test_export_merges_lora(tiny, tmp_path):
 def test_export_refuses_what_gpt_neox_cannot_hold(probe, tiny, tmp_path, capsys):
     out = tmp_path / "hf"
     with pytest.raises(SystemExit,
-                       match="^error: pre-projection, the content skip and the capacity adapter .* --harness"):
+                       match=r"^error: pre-projection and the content skip \(and the capacity adapter\) .* --harness"):
         load_pythia.main(["--export", str(out), "--init_from", probe])
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
