@@ -177,19 +177,16 @@ def resume_argv(folder: Path, args) -> list[str]:
     return command("train.py", "--out_dir", folder, "--resume", *shared_flags(args, ("device", "mirror")))
 
 
-def execute(argv: list[str], log: Path, args) -> tuple[int, float]:
-    """Run a command from the project root, its output appended to log; (exit status, seconds). A dry run only
-    prints it."""
+def execute(argv: list[str], log: Path, args) -> int:
+    """Run a command from the project root, its output appended to log; its exit status. A dry run only prints it."""
     print("  $ python " + shlex.join(argv[1:]), flush=True)
     if args.dry_run:
-        return 0, 0.0
+        return 0
     log.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
     with open(log, "a") as f:
         f.write(f"\n$ {shlex.join(argv)}\n")
         f.flush()
-        rc = subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
-    return rc, time.time() - t0
+        return subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
 
 
 def last_error(log: Path) -> str:
@@ -213,7 +210,7 @@ def ensure_base(name: str, init_from: str, args) -> bool:
         argv = command("train.py", "--init_from", "nano", "--skip", "--max_iters", 1, "--eval_tasks", "none",
                        "--eval_tokens", 256, "--out_dir", args.out / name / "build", *shared_flags(args))
     print(f"[base] {name}: {'resuming its pre-training' if resume else 'pre-training it first'}", flush=True)
-    rc, _ = execute(argv, args.out / name / "base.log", args)
+    rc = execute(argv, args.out / name / "base.log", args)
     if rc:
         raise SystemExit(f"error: building the {name} base failed: {last_error(args.out / name / 'base.log')}")
     return not args.dry_run
@@ -256,11 +253,14 @@ def train(job: Job, init_from: str, d: int, args) -> bool:
         save_run_file(folder, "job.json", {"train": argv})
     if (folder / "ckpt.pt").is_file():
         argv = resume_argv(folder, args)
-    rc, seconds = execute(argv, folder / "log.txt", args)
-    if not args.dry_run:  # every invocation's time counts, an interrupted one's too
-        timing = read_json(folder / "timing.json")
-        save_run_file(folder, "timing.json", {"train_seconds": timing.get("train_seconds", 0) + seconds,
-                                              "invocations": timing.get("invocations", 0) + 1})
+    t0 = time.time()
+    try:
+        rc = execute(argv, folder / "log.txt", args)
+    finally:  # every invocation's time counts, one stopped by Ctrl-C or SIGTERM too
+        if not args.dry_run:
+            timing = read_json(folder / "timing.json")
+            save_run_file(folder, "timing.json", {"train_seconds": timing.get("train_seconds", 0) + time.time() - t0,
+                                                  "invocations": timing.get("invocations", 0) + 1})
     if rc and "the loss became" in last_error(folder / "log.txt"):
         save_run_file(folder, "diverged.json", {"error": last_error(folder / "log.txt")})
         print(f"  diverged: {last_error(folder / 'log.txt')}")
@@ -338,8 +338,7 @@ def benchmarks(folder: Path, init_from: str, args) -> None:
               flush=True)
         argv = command("eval_lambada.py", "--init_from", init_from, "--tasks", ",".join(tasks), "--out", summary,
                        *(["--limit", limit] if limit else []), *shared_flags(args))
-        rc, _ = execute(argv, folder / "log.txt", args)
-        if rc:
+        if execute(argv, folder / "log.txt", args):
             raise SystemExit(f"error: evaluating {folder} failed: {last_error(folder / 'log.txt')}")
 
 
