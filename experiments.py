@@ -24,6 +24,7 @@ import csv
 import json
 import math
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -45,7 +46,7 @@ from stats import RESAMPLES, by_task, check_same_items, last_over_first, paired_
 OUT = ROOT / "out" / "experiment"
 STUDY_DIR = ROOT / "out" / "study-base"
 # The 12-layer study base (pythia-160m's depth) at the embedded base's width, on the same pre-training split and
-# recipe; 900 steps of 16 x 256 tokens (1.1 epochs) take about 15 minutes on a quiet 2-core CPU in bf16.
+# recipe; 900 steps of 16 x 256 tokens (1.1 epochs) take about 14 minutes on a quiet 2-core CPU in bf16.
 STUDY_RECIPE = ("--init_from scratch --n_layer 12 --n_head 3 --n_embd 192 --block_size 256 --max_iters 900 "
                 "--batch_size 16 --lr 2e-3 --min_lr 2e-4 --warmup_iters 45 --weight_decay 0.1 --beta2 0.95 "
                 "--eval_tasks none --seed 42")
@@ -166,24 +167,26 @@ def command(script: str, *argv) -> list[str]:
     return [sys.executable, script, *map(str, argv)]
 
 
-def shared_flags(args) -> list[str]:
-    """Where and how every subprocess computes, when given."""
-    return [f for k in ("device", "dtype", "mirror") if getattr(args, k) for f in (f"--{k}", getattr(args, k))]
+def shared_flags(args, keys: tuple[str, ...] = ("device", "dtype", "mirror")) -> list[str]:
+    """Where and how every subprocess computes, when given. A resumed training takes only where (its dtype is
+    saved with it)."""
+    return [f for k in keys if getattr(args, k) for f in (f"--{k}", getattr(args, k))]
 
 
-def execute(argv: list[str], log: Path, args) -> tuple[int, float]:
-    """Run a command from the project root, its output appended to log; (exit status, seconds). A dry run only
-    prints it."""
+def resume_argv(folder: Path, args) -> list[str]:
+    return command("train.py", "--out_dir", folder, "--resume", *shared_flags(args, ("device", "mirror")))
+
+
+def execute(argv: list[str], log: Path, args) -> int:
+    """Run a command from the project root, its output appended to log; its exit status. A dry run only prints it."""
     print("  $ python " + shlex.join(argv[1:]), flush=True)
     if args.dry_run:
-        return 0, 0.0
+        return 0
     log.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
     with open(log, "a") as f:
         f.write(f"\n$ {shlex.join(argv)}\n")
         f.flush()
-        rc = subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
-    return rc, time.time() - t0
+        return subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
 
 
 def last_error(log: Path) -> str:
@@ -200,14 +203,14 @@ def ensure_base(name: str, init_from: str, args) -> bool:
         return True
     resume = (folder / "ckpt.pt").is_file()
     if resume:
-        argv = command("train.py", "--out_dir", folder, "--resume", *shared_flags(args))
+        argv = resume_argv(folder, args)
     elif folder == STUDY_DIR:
         argv = command("train.py", *STUDY_RECIPE.split(), "--out_dir", folder, *shared_flags(args))
-    else:  # train.py pre-trains the embedded base on first use; a probe of zero steps makes it do just that
-        argv = command("train.py", "--init_from", "nano", "--skip", "--max_iters", 0, "--eval_tasks", "none",
+    else:  # train.py pre-trains the embedded base on first use; a one-step probe makes it do just that
+        argv = command("train.py", "--init_from", "nano", "--skip", "--max_iters", 1, "--eval_tasks", "none",
                        "--eval_tokens", 256, "--out_dir", args.out / name / "build", *shared_flags(args))
     print(f"[base] {name}: {'resuming its pre-training' if resume else 'pre-training it first'}", flush=True)
-    rc, _ = execute(argv, args.out / name / "base.log", args)
+    rc = execute(argv, args.out / name / "base.log", args)
     if rc:
         raise SystemExit(f"error: building the {name} base failed: {last_error(args.out / name / 'base.log')}")
     return not args.dry_run
@@ -249,12 +252,15 @@ def train(job: Job, init_from: str, d: int, args) -> bool:
     if not args.dry_run:
         save_run_file(folder, "job.json", {"train": argv})
     if (folder / "ckpt.pt").is_file():
-        argv = command("train.py", "--out_dir", folder, "--resume", *shared_flags(args))
-    rc, seconds = execute(argv, folder / "log.txt", args)
-    if not args.dry_run:  # every invocation's time counts, an interrupted one's too
-        timing = read_json(folder / "timing.json")
-        save_run_file(folder, "timing.json", {"train_seconds": timing.get("train_seconds", 0) + seconds,
-                                              "invocations": timing.get("invocations", 0) + 1})
+        argv = resume_argv(folder, args)
+    t0 = time.time()
+    try:
+        rc = execute(argv, folder / "log.txt", args)
+    finally:  # every invocation's time counts, one stopped by Ctrl-C or SIGTERM too
+        if not args.dry_run:
+            timing = read_json(folder / "timing.json")
+            save_run_file(folder, "timing.json", {"train_seconds": timing.get("train_seconds", 0) + time.time() - t0,
+                                                  "invocations": timing.get("invocations", 0) + 1})
     if rc and "the loss became" in last_error(folder / "log.txt"):
         save_run_file(folder, "diverged.json", {"error": last_error(folder / "log.txt")})
         print(f"  diverged: {last_error(folder / 'log.txt')}")
@@ -332,8 +338,7 @@ def benchmarks(folder: Path, init_from: str, args) -> None:
               flush=True)
         argv = command("eval_lambada.py", "--init_from", init_from, "--tasks", ",".join(tasks), "--out", summary,
                        *(["--limit", limit] if limit else []), *shared_flags(args))
-        rc, _ = execute(argv, folder / "log.txt", args)
-        if rc:
+        if execute(argv, folder / "log.txt", args):
             raise SystemExit(f"error: evaluating {folder} failed: {last_error(folder / 'log.txt')}")
 
 
@@ -436,7 +441,7 @@ class Run:
     values: dict[str, float]
     records: list[dict]
     measures: dict
-    seconds: float
+    seconds: float | None  # training time; None when unknown (a training finished after its timer was killed)
 
 
 def load_run(folder: Path) -> Run | None:
@@ -451,7 +456,7 @@ def load_run(folder: Path) -> Run | None:
         for task, r in read_json(summary)["results"].items():
             values.update({f"{task}/{name}": m["value"] for name, m in r["metrics"].items()})
         records += read_items(summary)
-    return Run(folder, values, records, measures, read_json(folder / "timing.json").get("train_seconds", 0.0))
+    return Run(folder, values, records, measures, read_json(folder / "timing.json").get("train_seconds"))
 
 
 def method_runs(folder: Path) -> tuple[float | None, list[Run]]:
@@ -505,7 +510,7 @@ def method_table(methods: dict) -> str:
     rows = []
     for m, (lr, runs) in methods.items():
         rows.append([METHODS[m].label, "-" if lr is None else f"{lr:g}", f"{runs[0].measures['trainable']:,}",
-                     mean_sd([r.seconds for r in runs], 3),
+                     mean_sd([r.seconds for r in runs if r.seconds is not None], 3),
                      *(mean_sd([r.values[k] for r in runs if k in r.values]) for k in COLUMNS), len(runs)])
     return format_table(header, rows, markdown=True)
 
@@ -824,4 +829,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # a SIGTERM stops the running subprocess too (subprocess.run kills it on the way out), not only this script
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit("error: stopped by SIGTERM; run the same command "
+                                                                 "again to resume"))
     main()
