@@ -54,10 +54,12 @@ def weights_sha256(model: GPT) -> str:
 
 
 def run_name(settings: dict) -> str:
-    """The default run folder name, from a training run's settings: e.g. nano-preproj-skip, pythia-160m-lora64."""
+    """The default run folder name, from a training run's settings: e.g. nano-preproj-skip, pythia-160m-lora64,
+    nano-skip-books (a --data other than auto is named, so probes of one model on two texts never share a name)."""
     init = settings["init_from"]
     parts = ["scratch" if init == "scratch" else Path(init.rstrip("/")).name]
     parts += [s for s in ("preproj", "skip") if settings.get(s)]
+    parts += [settings["data"]] if settings.get("data", "auto") != "auto" else []
     parts += [f"lora{settings['lora_rank']}"] if settings.get("lora_rank") else []
     parts += [f"adapter{settings['adapter_dim']}"] if settings.get("adapter_dim") else []
     parts += ["fullft"] if settings.get("full_finetune") else []

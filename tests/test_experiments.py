@@ -91,6 +91,8 @@ def test_capacity_probe_trains_only_the_adapter_and_reattaches(micro_base, tmp_p
     # --data books trains on the book's first chapters and reports its last ones, never the whole book
     assert set(results["val_loss"]["trained"]) == {"val", "books_test"}
     assert run_name({"init_from": "nano", "adapter_dim": 48}) == "nano-adapter48"
+    assert run_name({"init_from": "nano", "skip": True, "data": "books"}) == "nano-skip-books"
+    assert run_name({"init_from": "nano", "skip": True, "data": "auto"}) == "nano-skip"
     with pytest.raises(ValueError, match="capacity adapter"):  # no GPT-NeoX folder can hold it
         hf_state_dict(model)
 
