@@ -3,6 +3,7 @@ Speed and memory, measured side by side in one run, printed as a markdown table 
 
     python bench.py                 # CPU: pythia-70m and pythia-160m shapes, fp32 and bf16 (about 15 minutes)
     python bench.py --smoke         # tiny shapes, a few seconds: checks that every section runs
+    python bench.py --shapes pythia-160m --sections 1,6    # the bf16 measures only (sections 1, 3 and 6)
 
 Sections (the targets are checked in the same run, never by timed unit tests):
   1. training step tokens/s, ours vs transformers.GPTNeoXForCausalLM with the same weights, full fine-tune and
@@ -427,12 +428,36 @@ def precision_list(text: str) -> list[torch.dtype]:
     return [DTYPES[s] for s in text.split(",")]
 
 
+def section_list(text: str) -> set[int]:
+    """--sections: a comma-separated subset of 1-6 (1 and 3 come from the same steps, so either runs both)."""
+    try:
+        sections = {int(x) for x in text.split(",") if x.strip()}
+    except ValueError:
+        sections = set()
+    if not sections or not sections <= {1, 2, 3, 4, 5, 6}:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of 1-6, got {text!r}")
+    return sections
+
+
 def shape_list(text: str) -> str:
     """--shapes: names from SHAPES, comma-separated."""
     unknown = [s for s in text.split(",") if s not in SHAPES]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown shape {unknown[0]!r}; choose from {', '.join(SHAPES)}")
     return text
+
+
+def eval_model(args) -> tuple[GPT, object]:
+    """Sections 4 and 6's model and tokenizer: --eval_from, or under --smoke a random tiny model with the real
+    Pythia tokenizer standing in for the embedded base."""
+    if args.smoke:
+        from data.sources import fetch
+        from load_pythia import load_tokenizer
+        tokenizer = load_tokenizer(str(fetch("tokenizers/20B_tokenizer.json", args.mirror)))
+        return GPT(GPTConfig(vocab_size=50304, block_size=512, n_layer=2, n_head=2, n_embd=32)), tokenizer
+    from checkpoint import load_model
+    model, tokenizer, _ = load_model(args.eval_from, mirror=args.mirror)
+    return model, tokenizer
 
 
 def main() -> None:
@@ -447,6 +472,7 @@ def main() -> None:
                    help="passages for section 4's slow per-token loop")
     p.add_argument("--precisions", type=precision_list, default="float32,bfloat16", help="section 1's precisions")
     p.add_argument("--new_tokens", type=positive_int, default=256)
+    p.add_argument("--sections", type=section_list, default="1,2,3,4,5,6", help="which sections to run, e.g. 1,6")
     p.add_argument("--mirror", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny shapes and counts, to check that it all runs")
     p.add_argument("--system_malloc", action="store_true",
@@ -466,29 +492,29 @@ def main() -> None:
         vars(args).update(SMOKE)
         steps = [("tiny", what, 2, target) for _, what, _, target in PRECISION_STEPS[:2]]
     torch.manual_seed(0)
-    rows = []
+    rows, sections = [], args.sections
     for shape in args.shapes.split(","):
-        rows += bench_training(shape, args.batch, args.seq, args.reps, args.device, args.precisions)
-        rows += bench_probe_vs_full(shape, args.batch, args.seq, args.reps, args.device, args.system_malloc)
-    if args.smoke:  # a random tiny model with the real Pythia tokenizer stands in for the embedded base
-        from data.sources import fetch
-        from load_pythia import load_tokenizer
-        tokenizer = load_tokenizer(str(fetch("tokenizers/20B_tokenizer.json", args.mirror)))
-        model = GPT(GPTConfig(vocab_size=50304, block_size=512, n_layer=2, n_head=2, n_embd=32))
-    else:
-        from checkpoint import load_model
-        model, tokenizer, _ = load_model(args.eval_from, mirror=args.mirror)
-    rows += bench_eval(model.to(args.device).eval(), tokenizer, args.lambada_docs, args.mirror)
-    gen_model = GPT(shape_config(args.shapes.split(",")[0])).to(args.device).eval()  # the first shape
-    rows += bench_generation(gen_model, args.new_tokens, args.device)
-    rows += bench_precision(steps, 256 if not args.smoke else args.seq, args.reps, args.device)
-    lambada_rows, quality = bench_lambada_precision(model, tokenizer, args.lambada_docs if args.smoke else None,
-                                                    args.mirror, args.device)
-    rows += lambada_rows
+        if sections & {1, 3}:
+            rows += bench_training(shape, args.batch, args.seq, args.reps, args.device, args.precisions)
+        if 2 in sections:
+            rows += bench_probe_vs_full(shape, args.batch, args.seq, args.reps, args.device, args.system_malloc)
+    model, tokenizer = eval_model(args) if sections & {4, 6} else (None, None)
+    if 4 in sections:
+        rows += bench_eval(model.to(args.device).eval(), tokenizer, args.lambada_docs, args.mirror)
+    if 5 in sections:
+        gen_model = GPT(shape_config(args.shapes.split(",")[0])).to(args.device).eval()  # the first shape
+        rows += bench_generation(gen_model, args.new_tokens, args.device)
+    quality = ""
+    if 6 in sections:
+        rows += bench_precision(steps, 256 if not args.smoke else args.seq, args.reps, args.device)
+        lambada_rows, quality = bench_lambada_precision(model, tokenizer, args.lambada_docs if args.smoke else None,
+                                                        args.mirror, args.device)
+        rows += lambada_rows
     print(f"device: {args.device} ({torch.get_num_threads()} threads), torch {torch.__version__}, malloc: {malloc}; "
           f"train batch {args.batch} x {args.seq}, median of {args.reps} steps")
     print_table(rows)
-    print(quality)
+    if quality:
+        print(quality)
 
 
 if __name__ == "__main__":

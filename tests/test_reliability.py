@@ -164,7 +164,8 @@ def test_bad_flags_from_a_shell(tmp_path):
     """The same through the real entry points: exactly one line on stderr, exit status 2, nothing on stdout."""
     for argv, start in ((["train.py", "--lr", "nan", "--out_dir", tmp_path / "run"], "error: argument --lr: "),
                         (["eval_lambada.py", "--tasks", ""], "error: argument --tasks: "),
-                        (["bench.py", "--smoke", "--seq", "64"], "error: --smoke sets its own --seq")):
+                        (["bench.py", "--smoke", "--seq", "64"], "error: --smoke sets its own --seq"),
+                        (["bench.py", "--sections", "1,7"], "error: argument --sections: expected a comma")):
         proc = script(*argv)
         assert proc.returncode == 2 and proc.stdout == ""
         assert error_line(proc.returncode, proc.stderr).startswith(start)
