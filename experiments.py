@@ -637,7 +637,8 @@ def bar_charts(results: dict, found: dict, fig_dir: Path) -> list[Path]:
 def layer_section(results: dict, args, fig_dir: Path) -> str:
     """analyze_layers.py over every finished pre-proj + skip run (depth fraction, the paper's curves overlaid),
     and the growth statistics per base and setting with their range over seeds."""
-    runs = {(b, s): [r.folder for r in results[b][s]["preproj_skip"][1]]
+    runs = {(b, s): [r.folder.relative_to(ROOT) if r.folder.is_relative_to(ROOT) else r.folder  # no machine paths
+                     for r in results[b][s]["preproj_skip"][1]]                         # in the committed csv
             for b in results for s in results[b] if "preproj_skip" in results[b][s]}
     if not runs:
         return "No pre-proj + skip run has finished yet."
