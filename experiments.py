@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from checkpoint import NANO_DIR, ROOT, CheckpointError, load_model, read_checkpoint, save_run_file
+from checkpoint import NANO_DIR, ROOT, CheckpointError, load_model, portable_name, read_checkpoint, save_run_file
 from cli import format_table
 from data.prepare import split_tokens
 from data.sources import DataError, write_atomic
@@ -637,8 +637,8 @@ def bar_charts(results: dict, found: dict, fig_dir: Path) -> list[Path]:
 def layer_section(results: dict, args, fig_dir: Path) -> str:
     """analyze_layers.py over every finished pre-proj + skip run (depth fraction, the paper's curves overlaid),
     and the growth statistics per base and setting with their range over seeds."""
-    runs = {(b, s): [r.folder.relative_to(ROOT) if r.folder.is_relative_to(ROOT) else r.folder  # no machine paths
-                     for r in results[b][s]["preproj_skip"][1]]                         # in the committed csv
+    # run folders named as checkpoints record their bases: relative to the project, so the csv holds no machine paths
+    runs = {(b, s): [portable_name(str(r.folder)) for r in results[b][s]["preproj_skip"][1]]
             for b in results for s in results[b] if "preproj_skip" in results[b][s]}
     if not runs:
         return "No pre-proj + skip run has finished yet."
