@@ -41,6 +41,9 @@ NEW_PARAM_MARKERS = ("w_up", "w_down", "w_skip", "lora_a", "lora_b", "w_a_up", "
 # Logits per chunk of the training loss (2**26 floats = 256 MB in fp32): large enough that the output layer's
 # matrix products stay efficient, small enough that the full [tokens, vocab] logits never exist.
 LOSS_CHUNK = 2**26
+# The longest window that bf16 attention on a CPU computes as plain matrix products (see attention()); measured:
+# 0.6x the fused kernel's time at 512 keys, 1.05x at 1,024.
+CPU_BF16_EXPLICIT_MAX = 512
 
 
 @dataclass
@@ -105,17 +108,15 @@ class CausalSelfAttention(nn.Module):
         qkv = self.qkv(x).view(B, T, self.n_head, 3 * self.head_dim).transpose(1, 2)  # (B, n_head, T, 3*head_dim)
         q, k, v = qkv.chunk(3, dim=-1)  # each (B, n_head, T, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # RoPE on the first rotary_ndims dims
-        if cache is None or cache.pos == 0:
-            mask, causal = None, True
-        else:  # new queries at positions pos..pos+T-1 see every cached key up to their own position
+        mask = None  # causal
+        if cache is not None and cache.pos > 0:  # new queries at pos..pos+T-1 see every cached key up to their own
             mask = torch.ones(T, cache.pos + T, dtype=torch.bool, device=x.device).tril(cache.pos)
-            causal = False
         if cache is not None:
             end = cache.pos + T
             cache.k[layer, :, :, cache.pos:end] = k
             cache.v[layer, :, :, cache.pos:end] = v
             k, v = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # (B, n_head, pos + T, head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B, n_head, T, head_dim)
+        y = attention(q, k, v, mask)  # (B, n_head, T, head_dim)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))  # heads side by side again: (B, T, C)
 
 
@@ -300,7 +301,26 @@ class GPT(nn.Module):
         return {n: p for n, p in self.state_dict().items() if not self.is_new(n)}
 
 
-# --- supporting pieces: RoPE, LoRA, the K/V cache, the chunked training loss ---
+# --- supporting pieces: attention, RoPE, LoRA, the K/V cache, the chunked training loss ---
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(head_dim)) v over [B, n_head, T, head_dim]; causal when mask is None, else query i
+    sees key j where mask[i, j].
+
+    Two ways to compute the same thing. PyTorch's fused kernel (F.scaled_dot_product_attention) never holds the
+    [T, S] scores, but on a CPU it is no faster in bf16 than in fp32. So in bf16 on a CPU, for windows of up to
+    CPU_BF16_EXPLICIT_MAX keys, attention is written out: two bf16 matrix products around an fp32 softmax, which
+    takes 0.5-0.65x the fused kernel's time at the embedded base's and pythia-160m's shapes (docs/performance.md).
+    Past that the scores' size costs more than the products save, and the fused kernel is used."""
+    T, S = q.size(-2), k.size(-2)
+    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or S > CPU_BF16_EXPLICIT_MAX:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    if mask is None:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    bias = torch.zeros(T, S, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    scores = (q * q.size(-1) ** -0.5) @ k.transpose(-1, -2) + bias  # [B, n_head, T, S]
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE (rotate-half style) on the first cos.shape[-1] dims of each head; the rest pass through.

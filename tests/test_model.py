@@ -8,7 +8,7 @@ import torch
 
 from conftest import hub_names, make_hf_model, save_old_style
 from load_pythia import load_pythia, load_tokenizer
-from model import GPT, GPTConfig, KVCache
+from model import CPU_BF16_EXPLICIT_MAX, GPT, GPTConfig, KVCache, attention
 
 PARITY_TOL = 1e-4  # max |logits difference| against transformers, fp32
 SWITCH_TOL = 0.05  # max |logits difference| right after switching on preproj + skip (inits 0.01 / 1e-4)
@@ -213,6 +213,27 @@ def test_kv_cache_generation_matches_full_recompute(preproj, skip):
         m(with_cache[:, :7], cache=cache)
         chunk, _ = m(with_cache[:, 7:15], cache=cache)
     assert (chunk - full[:, 7:15]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("T", [40, CPU_BF16_EXPLICIT_MAX + 8])  # written out in bf16 on a CPU / the fused kernel
+def test_bf16_attention_matches_fp32(T):
+    """attention() in bf16 against PyTorch's fused kernel in fp32 on the same inputs: causal over the whole window,
+    and the K/V cache's case (the last 10 queries over every key), outputs and input gradients."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, T, 64) for _ in range(3))
+    cache_mask = torch.ones(10, T, dtype=torch.bool).tril(T - 10)
+    for mask, rows in ((None, slice(None)), (cache_mask, slice(T - 10, None))):
+        ins32 = [t.clone().requires_grad_() for t in (q[:, :, rows], k, v)]
+        ins16 = [t.bfloat16().requires_grad_() for t in (q[:, :, rows], k, v)]
+        ref = torch.nn.functional.scaled_dot_product_attention(*ins32, attn_mask=mask, is_causal=mask is None)
+        out = attention(*ins16, mask)
+        assert out.dtype == torch.bfloat16
+        assert (out.float() - ref).abs().max() < 0.03  # bf16 rounding (a wrong mask is off by ~0.5)
+        grad = torch.randn_like(ref)
+        ref.backward(grad)
+        out.backward(grad.bfloat16())
+        for a, b in zip(ins16, ins32):
+            assert (a.grad.float() - b.grad).abs().max() < 0.05 * b.grad.abs().max()
 
 
 def test_kv_cache_holds_the_same_k_and_v_shapes_with_switches_on():
