@@ -232,6 +232,7 @@ class Run:
     ctx: object  # autocast, or nothing
     step: int = 0
     saved_step: int | None = None  # the step of the checkpoint in out_dir, if there is one
+    val_at: tuple[int, dict] | None = None  # (step, validation losses) of the latest evaluation, for reuse
 
     @property
     def master(self) -> bool:
@@ -461,6 +462,14 @@ def val_losses(run: Run, model: GPT) -> dict[str, float]:
             for name, stream in run.vals.items()}
 
 
+def trained_val_losses(run: Run) -> dict[str, float]:
+    """The trained model's validation losses at the current step: the loop's last evaluation when it was at this
+    step (the last step always evaluates), else measured now."""
+    if run.val_at is None or run.val_at[0] != run.step:
+        run.val_at = (run.step, val_losses(run, run.model))
+    return run.val_at[1]
+
+
 def train(args) -> tuple[GPT, dict]:
     """Run one training job; returns the model and the final metrics (empty when it stops early)."""
     run = setup_run(args)
@@ -530,7 +539,7 @@ def save_and_log(run: Run, log: TextIO, bar: tqdm, signum: int, **record) -> Non
     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tok_per_s']:,}")
     bar.update(1)
     if run.step % args.eval_interval == 0 or run.step == args.max_iters:
-        record.update({f"{n}_loss": v for n, v in val_losses(run, run.model).items()})
+        record.update({f"{n}_loss": v for n, v in trained_val_losses(run).items()})
     append_metrics(log, {"step": run.step, **record})
 
 
@@ -538,7 +547,7 @@ def save_and_log(run: Run, log: TextIO, bar: tqdm, signum: int, **record) -> Non
 
 def final_report(run: Run, base_losses: dict) -> dict:
     """Validation losses and lm-eval benchmarks of the frozen base and the trained model, printed side by side."""
-    final = val_losses(run, run.model)
+    final = trained_val_losses(run)
     print_side_by_side("validation loss", {n: (base_losses.get(n), v) for n, v in final.items()})
     settings = bench_settings(run.args)
     results = {"val_loss": {"base": base_losses, "trained": final}, "benchmarks": {"settings": settings}}

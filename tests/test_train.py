@@ -43,6 +43,20 @@ def test_probe_trains_only_new_parameters(micro_base, tmp_path):
     assert set(results["val_loss"]["base"]) == {"val", "val_books"}
 
 
+def test_the_last_step_is_evaluated_once(micro_base, tmp_path, monkeypatch):
+    """The final report takes the trained model's validation losses from the loop's evaluation of the last step
+    instead of measuring them a second time."""
+    import train
+    calls, real = [], train.val_loss
+    monkeypatch.setattr(train, "val_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = tmp_path / "p"
+    _, results = run(f"--init_from {micro_base} --preproj --skip {MICRO} --max_iters 4 --eval_interval 2 "
+                     f"--out_dir {out}")
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert results["val_loss"]["trained"] == {n: last[f"{n}_loss"] for n in ("val", "val_books")}
+    assert len(calls) == 2 * 3  # two streams, each measured for the base, at step 2 and at step 4
+
+
 def test_resume_matches_uninterrupted_run(micro_base, tmp_path):
     common = f"--init_from {micro_base} --skip {MICRO} --max_iters 8 --ckpt_interval 2"
     run(f"{common} --out_dir {tmp_path / 'a'}")
