@@ -46,6 +46,7 @@ from tokenizers import Tokenizer
 
 from data import benchmarks
 from data.sources import DataError, fetch, sha256
+from model import LOSS_CHUNK
 
 TASKS = ("lambada", "wikitext", "hellaswag", "arc_easy")
 PROTOCOLS = ("lm-eval", "paper")
@@ -164,13 +165,18 @@ def _score_batch(model: torch.nn.Module, pairs: list[Pair], round_to: torch.dtyp
         x[b, :len(seq)] = torch.tensor(seq)
     r, c, t = (torch.tensor(v, dtype=torch.long, device=device) for v in (rows, cols, targets))
     # Only the scored positions need the output layer (LAMBADA scores ~2 of ~100 positions, and the output layer
-    # is a third of a small model's compute): logits [n_scored, V].
-    logits = model.lm_head(model.hidden_states(x.to(device))[r, c])
-    # Full-vocabulary log-softmax in fp32 whatever the weights' dtype: log p(token) = logit - logsumexp(logits).
-    logits = logits.float()
-    token_lp = logits.gather(1, t[:, None])[:, 0] - logits.logsumexp(dim=-1)
+    # is a third of a small model's compute): logits [n_scored, V], a chunk of rows at a time (WikiText scores
+    # every position), with the full-vocabulary log-softmax in fp32 whatever the weights' dtype.
+    h = model.hidden_states(x.to(device))[r, c]
+    token_lp, misses = [], []
+    step = max(1, LOSS_CHUNK // model.config.vocab_size)
+    for i in range(0, len(h), step):
+        logits, t_i = model.lm_head(h[i:i + step]).float(), t[i:i + step]
+        token_lp.append(torch.log_softmax(logits, dim=-1).gather(1, t_i[:, None])[:, 0])
+        misses.append(logits.argmax(dim=-1) != t_i)
+    token_lp = torch.cat(token_lp)
     token_lp = (token_lp if round_to is None else token_lp.to(round_to)).double().cpu()
-    misses = (logits.argmax(dim=-1) != t).double().cpu()
+    misses = torch.cat(misses).double().cpu()
     owner = torch.tensor(rows, dtype=torch.long)  # which request each scored token belongs to
     lp_sum = torch.zeros(len(pairs), dtype=torch.float64).index_add_(0, owner, token_lp)
     if round_to is not None:

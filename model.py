@@ -38,8 +38,9 @@ import torch.nn.functional as F
 SWITCHES = ("preproj", "skip", "lora_rank", "lora_alpha", "adapter_dim")
 # Names that mark the parameters those switches add on top of a GPT-NeoX base.
 NEW_PARAM_MARKERS = ("w_up", "w_down", "w_skip", "lora_a", "lora_b", "w_a_up", "w_a_down")
-# Logits per chunk of the training loss (2**26 floats = 256 MB in fp32): large enough that the output layer's
-# matrix products stay efficient, small enough that the full [tokens, vocab] logits never exist.
+# Logits per chunk of the training loss and of the benchmark scorer (2**26 floats = 256 MB in fp32): large enough
+# that the output layer's matrix products stay efficient, small enough that the full [tokens, vocab] logits never
+# exist.
 LOSS_CHUNK = 2**26
 # The longest window that bf16 attention on a CPU computes as plain matrix products (see attention()); measured:
 # 0.6x the fused kernel's time at 512 keys, 1.05x at 1,024.

@@ -198,7 +198,7 @@ class FirstTokenLM(torch.nn.Module):
 
     def __init__(self, vocab: int = 12, window: int = 6):
         super().__init__()
-        self.config = type("Config", (), {"block_size": window})()
+        self.config = type("Config", (), {"block_size": window, "vocab_size": vocab})()
         self.table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0))
         self.lm_head = torch.nn.Linear(vocab, vocab, bias=False)  # one-hot of the first token -> its table row
         self.lm_head.weight.data = self.table.T.contiguous()

@@ -33,7 +33,7 @@ class FormulaLM(torch.nn.Module):
 
     def __init__(self, uniform: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.config = SimpleNamespace(block_size=2048)
+        self.config = SimpleNamespace(block_size=2048, vocab_size=V)
         self.anchor = torch.nn.Parameter(torch.zeros(1, dtype=dtype))  # where the weights are, and their dtype
         self.uniform = uniform
 
