@@ -16,7 +16,8 @@ Sections (the targets are checked in the same run, never by timed unit tests):
   6. bf16 against fp32 (precision.py): the peak matrix-product rates (their ratio is the ceiling of every bf16 /
      fp32 ratio), our training step (embedded base pre-training and probe, pythia-160m probe), what holding a
      frozen base in bf16 buys over autocast's casts, the achieved FLOP rate against the peak bf16 matrix-product
-     rate, and full LAMBADA scoring, with what bf16 changes in its per-passage log-probabilities
+     rate, causal attention (the fused kernel in bf16 vs fp32, and model.attention vs the fused kernel), and full
+     LAMBADA scoring, with what bf16 changes in its per-passage log-probabilities
 
 Where the two sides do different work (sections 3 and 4) the table also shows the FLOP ratio: on a compute-bound
 device such as a CPU, a measured speed-up cannot go much beyond it. Both sides run in one process with the same
@@ -42,7 +43,7 @@ from cli import ArgumentParser, device, explicit_flags, format_table, keep_freed
 from data.sources import DataError
 from evaluation import encode_pair, score_pairs
 from load_pythia import load_pythia
-from model import GPT, GPTConfig, KVCache
+from model import GPT, GPTConfig, KVCache, attention
 from precision import DTYPES, autocast, dtype_name, for_inference, hold_matrices_in
 
 SHAPES = {  # name: (vocab, d, layers, heads)
@@ -372,6 +373,28 @@ def bench_precision(steps: list, seq: int, reps: int, device: str) -> list[dict]
     return rows
 
 
+def bench_attention(batch: int, heads: int, seq: int, reps: int, device: str) -> list[dict]:
+    """Section 6: causal attention forward and backward at the embedded base's shape: the fused kernel in bf16
+    against fp32 (what bf16 buys it), and model.attention against the fused kernel, both in bf16 (what writing
+    attention out buys on a CPU; elsewhere model.attention is the fused kernel)."""
+    inputs = {dt: [torch.randn(batch, heads, seq, 64, device=device, dtype=dt, requires_grad=True) for _ in range(3)]
+              for dt in (torch.float32, torch.bfloat16)}
+
+    def fused(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def fwd_bwd(fn, dt):
+        return lambda: fn(*inputs[dt]).sum().backward()
+    t = time_interleaved({"fused fp32": fwd_bwd(fused, torch.float32), "fused": fwd_bwd(fused, torch.bfloat16),
+                          "ours": fwd_bwd(lambda q, k, v: attention(q, k, v, None), torch.bfloat16)},
+                         max(reps, 5), device)
+    what = f"causal attention forward + backward ({batch} x {heads} heads x {seq} x 64)"
+    return [{"section": 6, "what": f"{what}, fused kernel, bf16 vs fp32", "ours": t["fused"] * 1e3,
+             "reference": t["fused fp32"] * 1e3, "unit": "ms", "ratio": t["fused fp32"] / t["fused"], "target": "-"},
+            {"section": 6, "what": f"{what}, bf16, model.attention vs fused kernel", "ours": t["ours"] * 1e3,
+             "reference": t["fused"] * 1e3, "unit": "ms", "ratio": t["fused"] / t["ours"], "target": "-"}]
+
+
 def bench_lambada_precision(model: GPT, tokenizer, n_docs: int | None, mirror: str | None,
                             device: str) -> tuple[list[dict], str]:
     """Section 6: LAMBADA scoring (the full set by default) in bf16 against fp32, and what bf16 changes: the
@@ -507,6 +530,7 @@ def main() -> None:
     quality = ""
     if 6 in sections:
         rows += bench_precision(steps, 256 if not args.smoke else args.seq, args.reps, args.device)
+        rows += bench_attention(*((16, 3, 256) if not args.smoke else (2, 2, args.seq)), args.reps, args.device)
         lambada_rows, quality = bench_lambada_precision(model, tokenizer, args.lambada_docs if args.smoke else None,
                                                         args.mirror, args.device)
         rows += lambada_rows
