@@ -169,9 +169,9 @@ def _score_batch(model: torch.nn.Module, pairs: list[Pair], round_to: torch.dtyp
     # every position), with the full-vocabulary log-softmax in fp32 whatever the weights' dtype.
     h = model.hidden_states(x.to(device))[r, c]
     token_lp, misses = [], []
-    step = max(1, LOSS_CHUNK // model.config.vocab_size)
-    for i in range(0, len(h), step):
-        logits, t_i = model.lm_head(h[i:i + step]).float(), t[i:i + step]
+    chunk = max(1, LOSS_CHUNK // model.config.vocab_size)  # rows
+    for i in range(0, len(h), chunk):
+        logits, t_i = model.lm_head(h[i:i + chunk]).float(), t[i:i + chunk]
         token_lp.append(torch.log_softmax(logits, dim=-1).gather(1, t_i[:, None])[:, 0])
         misses.append(logits.argmax(dim=-1) != t_i)
     token_lp = torch.cat(token_lp)

@@ -311,7 +311,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     Two ways to compute the same thing. PyTorch's fused kernel (F.scaled_dot_product_attention) never holds the
     [T, S] scores, but on a CPU it is no faster in bf16 than in fp32. So in bf16 on a CPU, for windows of up to
     CPU_BF16_EXPLICIT_MAX keys, attention is written out: two bf16 matrix products around an fp32 softmax, which
-    takes 0.5-0.65x the fused kernel's time at the embedded base's and pythia-160m's shapes (docs/performance.md).
+    takes 0.5-0.66x the fused kernel's time at the embedded base's and pythia-160m's shapes (docs/performance.md).
     Past that the scores' size costs more than the products save, and the fused kernel is used."""
     T, S = q.size(-2), k.size(-2)
     if q.dtype != torch.bfloat16 or q.device.type != "cpu" or S > CPU_BF16_EXPLICIT_MAX:
