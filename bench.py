@@ -386,7 +386,7 @@ def bench_attention(batch: int, heads: int, seq: int, reps: int, device: str) ->
     def fwd_bwd(fn, dt):
         return lambda: fn(*inputs[dt]).sum().backward()
     t = time_interleaved({"fused fp32": fwd_bwd(fused, torch.float32), "fused": fwd_bwd(fused, torch.bfloat16),
-                          "ours": fwd_bwd(lambda q, k, v: attention(q, k, v, None), torch.bfloat16)},
+                          "ours": fwd_bwd(attention, torch.bfloat16)},
                          max(reps, 5), device)
     what = f"causal attention forward + backward ({batch} x {heads} heads x {seq} x 64)"
     return [{"section": 6, "what": f"{what}, fused kernel, bf16 vs fp32", "ours": t["fused"] * 1e3,

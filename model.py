@@ -20,8 +20,8 @@ adapter (`adapter_dim`) serves as its capacity control: as many new parameters a
 them on attention's input. Everything here
 is plain PyTorch with no I/O; loading Hugging Face weights lives in load_pythia.py.
 
-Reading order: GPTConfig, CausalSelfAttention, MLP, Block, GPT; then the supporting pieces (RoPE, LoRA, the K/V
-cache for generation, the chunked training loss).
+Reading order: GPTConfig, CausalSelfAttention, MLP, Block, GPT; then the supporting pieces (attention, RoPE, LoRA,
+the K/V cache for generation, the chunked training loss).
 """
 
 from __future__ import annotations
@@ -109,15 +109,12 @@ class CausalSelfAttention(nn.Module):
         qkv = self.qkv(x).view(B, T, self.n_head, 3 * self.head_dim).transpose(1, 2)  # (B, n_head, T, 3*head_dim)
         q, k, v = qkv.chunk(3, dim=-1)  # each (B, n_head, T, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # RoPE on the first rotary_ndims dims
-        mask = None  # causal
-        if cache is not None and cache.pos > 0:  # new queries at pos..pos+T-1 see every cached key up to their own
-            mask = torch.ones(T, cache.pos + T, dtype=torch.bool, device=x.device).tril(cache.pos)
         if cache is not None:
             end = cache.pos + T
             cache.k[layer, :, :, cache.pos:end] = k
             cache.v[layer, :, :, cache.pos:end] = v
             k, v = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # (B, n_head, pos + T, head_dim)
-        y = attention(q, k, v, mask)  # (B, n_head, T, head_dim)
+        y = attention(q, k, v)  # (B, n_head, T, head_dim)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))  # heads side by side again: (B, T, C)
 
 
@@ -304,9 +301,9 @@ class GPT(nn.Module):
 
 # --- supporting pieces: attention, RoPE, LoRA, the K/V cache, the chunked training loss ---
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(head_dim)) v over [B, n_head, T, head_dim]; causal when mask is None, else query i
-    sees key j where mask[i, j].
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(head_dim)) v over [B, n_head, T, head_dim]. The T queries are the last T of the
+    S key positions (S > T after a K/V cache's earlier tokens), and each sees every key up to its own position.
 
     Two ways to compute the same thing. PyTorch's fused kernel (F.scaled_dot_product_attention) never holds the
     [T, S] scores, but on a CPU it is no faster in bf16 than in fp32. So in bf16 on a CPU, for windows of up to
@@ -314,10 +311,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     takes 0.5-0.66x the fused kernel's time at the embedded base's and pythia-160m's shapes (docs/performance.md).
     Past that the scores' size costs more than the products save, and the fused kernel is used."""
     T, S = q.size(-2), k.size(-2)
-    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or S > CPU_BF16_EXPLICIT_MAX:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-    if mask is None:
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    fused = q.dtype != torch.bfloat16 or q.device.type != "cpu" or S > CPU_BF16_EXPLICIT_MAX
+    if fused and T == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # query i sits at position S - T + i
+    if fused:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     bias = torch.zeros(T, S, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
     scores = (q * q.size(-1) ** -0.5) @ k.transpose(-1, -2) + bias  # [B, n_head, T, S]
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v

@@ -226,7 +226,7 @@ def test_bf16_attention_matches_fp32(T):
         ins32 = [t.clone().requires_grad_() for t in (q[:, :, rows], k, v)]
         ins16 = [t.bfloat16().requires_grad_() for t in (q[:, :, rows], k, v)]
         ref = torch.nn.functional.scaled_dot_product_attention(*ins32, attn_mask=mask, is_causal=mask is None)
-        out = attention(*ins16, mask)
+        out = attention(*ins16)  # causal, with the queries as the last positions
         assert out.dtype == torch.bfloat16
         assert (out.float() - ref).abs().max() < 0.03  # bf16 rounding (a wrong mask is off by ~0.5)
         grad = torch.randn_like(ref)
