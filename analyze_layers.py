@@ -33,14 +33,14 @@ import numpy as np
 import torch
 from matplotlib.ticker import MaxNLocator
 
-from checkpoint import ROOT, RUN_SETTINGS, CheckpointError, is_run_folder, load_model, read_checkpoint, run_name
-from cli import ArgumentParser, device, format_table, out_folder, positive_int
 from data.prepare import HELDOUT_TEXT, heldout_stream, probe_data
 from data.sources import DataError, write_error
-from evaluation import val_loss
+from lab.checkpoint import ROOT, RUN_SETTINGS, CheckpointError, is_run_folder, load_model, read_checkpoint, run_name
+from lab.cli import ArgumentParser, device, format_table, out_folder, positive_int
+from lab.evaluation import val_loss
+from lab.precision import DTYPES, for_inference, resolve_dtype
+from lab.stats import last_over_first, trend
 from model import GPT
-from precision import DTYPES, for_inference, resolve_dtype
-from stats import last_over_first, trend
 
 DEFAULT_RUN = ROOT / "out" / "nano-preproj-skip"
 

@@ -12,12 +12,12 @@ it, one JSON line per item (eval.json -> eval.items.jsonl) for paired comparison
 import argparse
 from pathlib import Path
 
-from checkpoint import CheckpointError, load_model, save_run_file
-from cli import ArgumentParser, add_model_args, format_table, name_list, out_file, positive_int, switches_of
 from data.sources import DataError
-from evaluation import TASKS, check_request, evaluate, items_jsonl, items_path
+from lab.checkpoint import CheckpointError, load_model, save_run_file
+from lab.cli import ArgumentParser, add_model_args, format_table, name_list, out_file, positive_int, switches_of
+from lab.evaluation import TASKS, check_request, evaluate, items_jsonl, items_path
+from lab.precision import dtype_name, for_inference, resolve_dtype
 from model import SWITCHES
-from precision import dtype_name, for_inference, resolve_dtype
 
 
 def results_table(results: dict) -> str:

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from cli import ArgumentParser, positive_int, utf8
 from data.sources import write_atomic
+from lab.cli import ArgumentParser, positive_int, utf8
 from model import GPT, GPTConfig, LoRALinear
 
 # Buffers that old Pythia checkpoints carry and that we recompute: ignored on load.
@@ -177,12 +177,12 @@ def map_state_dict(hf_state: dict[str, torch.Tensor],
     return ours
 
 
-def load_pythia(name_or_dir: str, *, preproj: bool = False, skip: bool = False, lora_rank: int = 0,
-                lora_alpha: float = 0.0, adapter_dim: int = 0, revision: str | None = None,
-                dtype: torch.dtype = torch.float32, device: str = "cpu") -> GPT:
+def load_pythia(name_or_dir: str, *, revision: str | None = None, dtype: torch.dtype = torch.float32,
+                device: str = "cpu", **switches) -> GPT:
     """A Pythia / GPT-NeoX model from a Hub name or a local Hugging Face folder, with the research switches.
 
-    The base weights are copied exactly; the new parameters get the paper's initialisation.
+    The base weights are copied exactly; the switches (model.SWITCHES, e.g. preproj=True) add new parameters with
+    the paper's initialisation.
     """
     folder = hf_folder(name_or_dir, revision)
     cfg_path = os.path.join(folder, "config.json")
@@ -194,8 +194,7 @@ def load_pythia(name_or_dir: str, *, preproj: bool = False, skip: bool = False, 
     except ValueError as e:  # not UTF-8, or not JSON
         raise ValueError(f"{cfg_path} is not a readable JSON file ({e})") from e
     try:
-        config = config_from_hf(hf_config, preproj=preproj, skip=skip, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                                adapter_dim=adapter_dim)
+        config = config_from_hf(hf_config, **switches)
     except ValueError as e:
         raise ValueError(f"{cfg_path}: {e}") from e
     model = GPT(config)
@@ -289,7 +288,7 @@ def save_hf_folder(model: GPT, tokenizer: Tokenizer, folder: str) -> None:
 
 def export(init_from: str, folder: str) -> None:
     """The --export command: load a model as every script does and write it as a Hugging Face folder."""
-    from checkpoint import CheckpointError, load_model  # checkpoint imports this module
+    from lab.checkpoint import CheckpointError, load_model  # checkpoint imports this module
 
     try:
         free_folder(folder)  # before loading a model that may be large

@@ -11,11 +11,11 @@ import argparse
 
 import torch
 
-from checkpoint import CheckpointError, load_model
-from cli import ArgumentParser, add_model_args, nonneg_float, nonneg_int, positive_int, switches_of, utf8
 from data.sources import DataError
-from evaluation import encode, eot_id
-from precision import for_inference, resolve_dtype
+from lab.checkpoint import CheckpointError, load_model
+from lab.cli import ArgumentParser, add_model_args, nonneg_float, nonneg_int, positive_int, switches_of, utf8
+from lab.evaluation import encode, eot_id
+from lab.precision import for_inference, resolve_dtype
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -30,7 +30,17 @@ import torch.distributed as dist
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from checkpoint import (
+from data.prepare import (
+    NANO_DATA,
+    PROBE_SPLITS,
+    load_nano_split,
+    prepare_nano,
+    probe_data,
+    split_tokens,
+    wikitext103_probe_lines,
+)
+from data.sources import DataError
+from lab.checkpoint import (
     NANO_DIR,
     ROOT,
     CheckpointError,
@@ -47,7 +57,7 @@ from checkpoint import (
     save_checkpoint,
     save_run_file,
 )
-from cli import (
+from lab.cli import (
     ArgumentParser,
     add_model_args,
     explicit_flags,
@@ -62,20 +72,11 @@ from cli import (
     positive_int,
     switches_of,
 )
-from data.prepare import (
-    NANO_DATA,
-    PROBE_SPLITS,
-    load_nano_split,
-    prepare_nano,
-    probe_data,
-    split_tokens,
-    wikitext103_probe_lines,
-)
-from data.sources import DataError
-from evaluation import TASKS, check_data, evaluate, val_loss
+from lab.evaluation import TASKS, check_data, evaluate, val_loss
+from lab.precision import autocast, dtype_name, hold_as_paper, hold_matrices_in, resolve_dtype
+from lab.run_folder import EXIT_DIVERGED, Diverged
 from load_pythia import read_tokenizer
 from model import GPT, GPTConfig
-from precision import autocast, dtype_name, hold_as_paper, hold_matrices_in, resolve_dtype
 
 # The embedded base, pre-trained from scratch on the public-domain corpus the first time it is needed.
 NANO_RECIPE = ("--init_from scratch --n_layer 6 --n_head 3 --n_embd 192 --block_size 256 --max_iters 600 "
@@ -409,10 +410,10 @@ def next_batch_loss(run: Run) -> float:
         return run.model(x.to(run.device), y.to(run.device))[1].item()
 
 
-def diverged(run: Run, what: str) -> SystemExit:
+def diverged(run: Run, what: str) -> Diverged:
     kept = (f"the last good checkpoint, step {run.saved_step}, is kept in {run.out_dir}"
             if run.saved_step is not None else "there is no earlier checkpoint")
-    return SystemExit(f"error: {what}; stopped without saving it; {kept}. Lower --lr")
+    return Diverged(f"{what}; stopped without saving it; {kept}. Lower --lr")
 
 
 def save_checked(run: Run) -> None:
@@ -630,6 +631,9 @@ def main() -> None:
         train(args)
     except (CheckpointError, DataError) as e:
         raise SystemExit(f"error: {e}")
+    except Diverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_DIVERGED)
     except KeyboardInterrupt:  # outside the loop, which stops at the end of a step and saves (deferred_signals)
         raise SystemExit("error: interrupted before the first training step or after the last one, which is saved")
     finally:

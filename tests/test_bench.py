@@ -10,7 +10,7 @@ from conftest import MICRO, ROOT, losses, run
 
 
 def test_bench_smoke(mirror):
-    proc = subprocess.run([sys.executable, "bench.py", "--smoke"], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", "--smoke"], cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, PREPROJ_MIRROR=mirror))
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
@@ -18,8 +18,8 @@ def test_bench_smoke(mirror):
     assert "bfloat16, ours vs transformers" in proc.stdout and "decisions flipped" in proc.stdout
     assert "K/V cache bytes" in proc.stdout and "| 1.000 |  | == 1.0 | pass |" in proc.stdout
     assert "malloc: freed memory kept" in proc.stdout.splitlines()[0]
-    proc = subprocess.run([sys.executable, "bench.py", "--smoke", "--sections", "6"], cwd=ROOT, capture_output=True,
-                          text=True, env=dict(os.environ, PREPROJ_MIRROR=mirror))
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", "--smoke", "--sections", "6"], cwd=ROOT,
+                          capture_output=True, text=True, env=dict(os.environ, PREPROJ_MIRROR=mirror))
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert {line.split("|")[1].strip() for line in table} == {"6"} and "decisions flipped" in proc.stdout

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-import compare
-import stats
-from evaluation import item_record, items_jsonl
+from lab import stats
+from lab.evaluation import item_record, items_jsonl
+from tools import compare
 
 
 @pytest.mark.parametrize("a_only,b_only,expected", [

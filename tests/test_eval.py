@@ -10,10 +10,10 @@ import torch
 from tokenizers import Tokenizer
 
 import eval_lambada
-import evaluation as ev
 from conftest import make_hf_model
 from data import benchmarks
 from data.sources import DataError
+from lab import evaluation as ev
 from load_pythia import load_pythia
 
 LP_TOL = 1e-4  # max |summed log-probability difference| per document against transformers, fp32 (measured ~1e-6)

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-import experiments
-from checkpoint import load_model, read_checkpoint, run_name
 from conftest import MICRO, make_hf_model, run
-from evaluation import item_record
+from lab.checkpoint import load_model, read_checkpoint, run_name
+from lab.evaluation import item_record
 from load_pythia import hf_state_dict
 from model import GPT, GPTConfig
+from study import grid as experiments
 
 # --- the size rules scale the paper's choices; at Pythia's widths they give the paper's own numbers ---
 
@@ -219,7 +219,7 @@ def test_grid_runs_resumes_without_retraining_and_builds_the_tables(tiny_pythia,
     assert "| method | lr | trainable | train s | loss SOTU |" in text
     assert "| pre-proj + skip | 0.001 | 28,672 |" in text
     assert "Against baseline (the frozen base):" in text and "w_skip moved" in text
-    figures = results.parent / "figures" / "experiment"
+    figures = results.parent / "figures"
     assert (figures / "delta_lambada_acc.png").stat().st_size > 1000
     assert (figures / "layers" / "layers.png").is_file()
     measures = json.loads((ckpts["indist"].parent / "measures.json").read_text())

@@ -15,12 +15,12 @@ import yaml
 from tokenizers import Tokenizer
 
 import eval_lambada
-import evaluation as ev
-import harness
 import load_pythia
-from checkpoint import load_model, save_checkpoint, weights_sha256
 from conftest import make_hf_model
 from data import benchmarks
+from lab import evaluation as ev
+from lab.checkpoint import load_model, save_checkpoint, weights_sha256
+from tools import harness
 
 WINDOW = 64  # short, so that LAMBADA passages are left-truncated
 N = 6  # items per task

@@ -8,9 +8,9 @@ from argparse import Namespace
 import pytest
 import torch
 
-import precision
-from checkpoint import load_model, read_checkpoint
 from conftest import MICRO, make_hf_model, run
+from lab import precision
+from lab.checkpoint import load_model, read_checkpoint
 from model import GPT, GPTConfig
 
 BF16_MICRO = MICRO.replace("--dtype float32", "--dtype bfloat16")
@@ -145,7 +145,7 @@ def test_bf16_parity_with_transformers():
 @pytest.mark.parametrize("whole_model", [False, True])
 def test_bf16_lambada_against_fp32(micro_base, mirror, whole_model):
     """Per-document LAMBADA log-probs in bf16 against fp32 on the same model (first 100 passages)."""
-    from evaluation import lambada
+    from lab.evaluation import lambada
     scores = {}
     for dtype in (torch.float32, torch.bfloat16):
         model, tok, _ = load_model(micro_base)

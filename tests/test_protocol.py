@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 import eval_lambada
-import evaluation as ev
 from data import benchmarks, sources
 from data.prepare import probe_lines
 from data.sources import DataError
+from lab import evaluation as ev
 from train import global_batch
 
 V = 50304  # Pythia's padded vocabulary

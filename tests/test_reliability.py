@@ -18,16 +18,16 @@ import pytest
 import torch
 
 import analyze_layers
-import bench
-import checkpoint
 import eval_lambada
 import load_pythia
 import sample
 import train
-from checkpoint import load_model, read_checkpoint
 from conftest import MICRO, ROOT, run
 from data.prepare import load_nano_split
-from evaluation import val_loss
+from lab import checkpoint
+from lab.checkpoint import load_model, read_checkpoint
+from lab.evaluation import val_loss
+from tools import bench
 
 # --- helpers ---
 
@@ -164,8 +164,8 @@ def test_bad_flags_from_a_shell(tmp_path):
     """The same through the real entry points: exactly one line on stderr, exit status 2, nothing on stdout."""
     for argv, start in ((["train.py", "--lr", "nan", "--out_dir", tmp_path / "run"], "error: argument --lr: "),
                         (["eval_lambada.py", "--tasks", ""], "error: argument --tasks: "),
-                        (["bench.py", "--smoke", "--seq", "64"], "error: --smoke sets its own --seq"),
-                        (["bench.py", "--sections", "1,7"], "error: argument --sections: expected a comma")):
+                        (["-m", "tools.bench", "--smoke", "--seq", "64"], "error: --smoke sets its own --seq"),
+                        (["-m", "tools.bench", "--sections", "1,7"], "error: argument --sections: expected a comma")):
         proc = script(*argv)
         assert proc.returncode == 2 and proc.stdout == ""
         assert error_line(proc.returncode, proc.stderr).startswith(start)

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from checkpoint import CheckpointError, load_model, read_checkpoint
 from conftest import MICRO, ROOT, losses, make_hf_model, run
 from data.sources import DataError, fetch
+from lab.checkpoint import CheckpointError, load_model, read_checkpoint
 
 
 def test_pretraining_lowers_the_loss(micro_base):
@@ -186,7 +186,7 @@ def test_pure_bf16_probe(micro_base, tmp_path):
 
 
 def test_run_ends_with_benchmarks_for_base_and_trained(micro_base, tmp_path):
-    from evaluation import evaluate
+    from lab.evaluation import evaluate
     out = tmp_path / "bench"
     model, results = run(f"--init_from {micro_base} --skip {MICRO} --max_iters 2 --eval_tasks lambada "
                          f"--out_dir {out}")

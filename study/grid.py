@@ -34,14 +34,14 @@ from typing import Callable
 
 import torch
 
-from checkpoint import NANO_DIR, ROOT, CheckpointError, load_model, portable_name, read_checkpoint, save_run_file
-from cli import format_table
 from data.prepare import split_tokens
 from data.sources import DataError, write_atomic
-from evaluation import TASKS, read_items, task_metrics, val_loss
-from model import GPTConfig
-from precision import DTYPES, for_inference, resolve_dtype
-from stats import RESAMPLES, by_task, check_same_items, last_over_first, paired_intervals, seed_mean, trend
+from lab.checkpoint import NANO_DIR, ROOT, CheckpointError, load_model, portable_name, read_checkpoint, save_run_file
+from lab.cli import format_table
+from lab.evaluation import TASKS, read_items, task_metrics, val_loss
+from lab.precision import DTYPES, for_inference, resolve_dtype
+from lab.stats import RESAMPLES, by_task, check_same_items, last_over_first, paired_intervals, seed_mean, trend
+from model import SWITCHES, GPTConfig
 
 OUT = ROOT / "out" / "experiment"
 STUDY_DIR = ROOT / "out" / "study-base"
@@ -294,8 +294,7 @@ def moved_shares(folder: Path, args) -> dict[str, float]:
     ckpt = read_checkpoint(folder)
     train_args = ckpt["train_args"]
     torch.manual_seed(train_args["seed"])
-    init, _, _ = load_model(train_args["init_from"], **{k: train_args[k] for k in ("preproj", "skip", "lora_rank",
-                                                                                 "lora_alpha", "adapter_dim")},
+    init, _, _ = load_model(train_args["init_from"], **{k: train_args[k] for k in SWITCHES},
                             mirror=args.mirror)
     moved: dict[str, list[int]] = {}
     for name, start in init.new_state_dict().items():
@@ -733,7 +732,7 @@ def write_results(args) -> None:
     results = collect(args.out) if args.out.is_dir() else {}
     if not results:
         raise SystemExit(f"error: no finished run under {args.out}; run `python experiments.py` first")
-    fig_dir = args.results.parent / "figures" / "experiment"
+    fig_dir = args.results.parent / "figures"
     fig_dir.mkdir(parents=True, exist_ok=True)
     try:
         found = {(b, s): comparisons(methods, args.resamples)
@@ -799,7 +798,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit", default="", help=f"items per task, TASK=N,... or N for all (0 = full set); "
                                                f"default {','.join(f'{t}={n}' for t, n in LIMITS.items())}")
     p.add_argument("--out", default=str(OUT), help="folder of the run folders")
-    p.add_argument("--results", default=str(ROOT / "RESULTS.md"), help="--table writes this (figures beside it)")
+    p.add_argument("--results", default=str(ROOT / "study" / "RESULTS.md"),
+                   help="--table writes this (figures beside it)")
     p.add_argument("--resamples", type=int, default=RESAMPLES, help="bootstrap draws of the table")
     p.add_argument("--heldout_tokens", type=int, default=0, help="held-out tokens per loss (0 = the whole split)")
     p.add_argument("--layer_tokens", type=int, default=16384, help="held-out tokens of the layer analysis")

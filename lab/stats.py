@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from evaluation import metric_value, task_metrics
+from lab.evaluation import metric_value, task_metrics
 
 RESAMPLES = 10_000
 SEED = 1234

@@ -38,13 +38,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checkpoint import CheckpointError
-from cli import ArgumentParser, device, explicit_flags, format_table, keep_freed_memory, positive_int
 from data.sources import DataError
-from evaluation import encode_pair, score_pairs
+from lab.checkpoint import ROOT, CheckpointError
+from lab.cli import ArgumentParser, device, explicit_flags, format_table, keep_freed_memory, positive_int
+from lab.evaluation import encode_pair, score_pairs
+from lab.precision import DTYPES, autocast, dtype_name, for_inference, hold_matrices_in
 from load_pythia import load_pythia
 from model import GPT, GPTConfig, KVCache, attention
-from precision import DTYPES, autocast, dtype_name, for_inference, hold_matrices_in
 
 SHAPES = {  # name: (vocab, d, layers, heads)
     "nano": (8192, 192, 6, 3),  # the embedded base (train.NANO_RECIPE)
@@ -247,8 +247,8 @@ def bench_probe_vs_full(shape: str, batch: int, seq: int, reps: int, device: str
     for mode in MODES:
         if device == "cpu":
             spec = json.dumps([shape, mode, batch, seq, reps])
-            argv = [sys.executable, __file__, "--memory_child", spec] + ["--system_malloc"] * system_malloc
-            out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+            argv = [sys.executable, "-m", "tools.bench", "--memory_child", spec] + ["--system_malloc"] * system_malloc
+            out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True).stdout
             res[mode] = json.loads(out.strip().splitlines()[-1])
         else:
             res[mode] = measure_mode(shape, mode, batch, seq, reps, device)
@@ -478,7 +478,7 @@ def eval_model(args) -> tuple[GPT, object]:
         from load_pythia import load_tokenizer
         tokenizer = load_tokenizer(str(fetch("tokenizers/20B_tokenizer.json", args.mirror)))
         return GPT(GPTConfig(vocab_size=50304, block_size=512, n_layer=2, n_head=2, n_embd=32)), tokenizer
-    from checkpoint import load_model
+    from lab.checkpoint import load_model
     model, tokenizer, _ = load_model(args.eval_from, mirror=args.mirror)
     return model, tokenizer
 

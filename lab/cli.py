@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch
 
+from lab.precision import DTYPES
 from model import SWITCHES
-from precision import DTYPES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -13,11 +13,11 @@ that holds 0, or a p-value above 0.05, says the difference is within what the ch
 import argparse
 from pathlib import Path
 
-from checkpoint import save_run_file
-from cli import format_table
 from data.sources import DataError
-from evaluation import read_items
-from stats import LEVEL, RESAMPLES, SEED, compare_items
+from lab.checkpoint import save_run_file
+from lab.cli import format_table
+from lab.evaluation import read_items
+from lab.stats import LEVEL, RESAMPLES, SEED, compare_items
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -32,7 +32,7 @@ from data.sources import fetch, write_atomic, write_error
 from load_pythia import hf_folder, load_pythia, load_tokenizer, read_tokenizer
 from model import GPT, SWITCHES, GPTConfig
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 NANO_DIR = ROOT / "out" / "nano-base"
 # The settings that define what a training run trains: runs differing only in seed repeat one experiment.
 RUN_SETTINGS = ("init_from", *SWITCHES, "seed", "max_iters", "batch_size", "grad_accum", "seq_len", "lr", "min_lr",
@@ -170,14 +170,16 @@ def append_metrics(log: TextIO, record: dict) -> None:
         raise write_error(Path(log.name), e) from e
 
 
-def load_model(init_from: str, *, preproj: bool = False, skip: bool = False, lora_rank: int = 0,
-               lora_alpha: float = 0.0, adapter_dim: int = 0, mirror: str | None = None) -> tuple[GPT, Tokenizer, dict]:
+def load_model(init_from: str, *, mirror: str | None = None, **switches) -> tuple[GPT, Tokenizer, dict]:
     """Resolve --init_from to (model in fp32 on the CPU, its tokenizer, a reference to the base weights).
 
-    The switches apply to bases (nano, Pythia, HF folders, full checkpoints); a probe checkpoint brings its own.
+    The switches (model.SWITCHES, e.g. preproj=True) apply to bases (nano, Pythia, HF folders, full checkpoints); a
+    probe checkpoint brings its own.
     The reference is {"init_from": how to load the base, "sha256": its fingerprint}.
     """
-    switches = dict(preproj=preproj, skip=skip, lora_rank=lora_rank, lora_alpha=lora_alpha, adapter_dim=adapter_dim)
+    unknown = set(switches) - set(SWITCHES)
+    if unknown:
+        raise TypeError(f"load_model() takes the switches {', '.join(SWITCHES)}, not {', '.join(sorted(unknown))}")
     if init_from == "nano":
         if nano_status() != "ready":
             raise CheckpointError(f"the embedded base is {nano_status()}; run `python train.py` once to pre-train it")

@@ -5,7 +5,7 @@ ARC-Challenge, MMLU, ...) for anything `--init_from` accepts, probe checkpoints 
     python eval_lambada.py --init_from out/run --harness piqa,winogrande --limit 200
 
     import lm_eval
-    from harness import HarnessLM
+    from tools.harness import HarnessLM
     lm = HarnessLM.from_init("out/run", device="cuda")
     results = lm_eval.simple_evaluate(model=lm, tasks=["arc_challenge"])
 
@@ -19,8 +19,8 @@ from collections import Counter
 import torch
 from tokenizers import Tokenizer
 
-from checkpoint import load_model
-from evaluation import encode, encode_pair, eot_id, rolling_windows, score_pairs
+from lab.checkpoint import load_model
+from lab.evaluation import encode, encode_pair, eot_id, rolling_windows, score_pairs
 from model import GPT
 
 try:
