@@ -15,13 +15,13 @@ One block (without pre-projection x_tilde = x_hat; without the skip its branch i
                    (a sequential block feeds h to ln_2 instead of x)
 
 Pythia's block is parallel (out = x + attn + skip + mlp(ln_2 x)); a sequential block feeds h to ln_2 instead.
-In-house LoRA on the fused QKV and attention output projections serves the paper's comparison, and a parallel MLP
-adapter (`adapter_dim`) serves as its capacity control: as many new parameters as pre-projection + skip, none of
-them on attention's input. Everything here
-is plain PyTorch with no I/O; loading Hugging Face weights lives in load_pythia.py.
+A parallel MLP adapter (`adapter_dim`) is the capacity control of our comparison: as many new parameters as
+pre-projection + skip, none of them on attention's input. LoRA, the paper's baseline, is attached after the model
+is built, in its own section at the bottom. Everything here is plain PyTorch with no I/O; loading Hugging Face
+weights lives in load_pythia.py, and the training loop's faster loss in lab/loss.py.
 
-Reading order: GPTConfig, CausalSelfAttention, MLP, Block, GPT; then the supporting pieces (attention, RoPE, LoRA,
-the K/V cache for generation, the chunked training loss).
+Reading order: GPTConfig, CausalSelfAttention, MLP, Block, GPT; then attention, RoPE and the K/V cache for
+generation; then LoRA.
 """
 
 from __future__ import annotations
@@ -38,13 +38,6 @@ import torch.nn.functional as F
 SWITCHES = ("preproj", "skip", "lora_rank", "lora_alpha", "adapter_dim")
 # Names that mark the parameters those switches add on top of a GPT-NeoX base.
 NEW_PARAM_MARKERS = ("w_up", "w_down", "w_skip", "lora_a", "lora_b", "w_a_up", "w_a_down")
-# Logits per chunk of the training loss and of the benchmark scorer (2**26 floats = 256 MB in fp32): large enough
-# that the output layer's matrix products stay efficient, small enough that the full [tokens, vocab] logits never
-# exist.
-LOSS_CHUNK = 2**26
-# The longest window that bf16 attention on a CPU computes as plain matrix products (see attention()); measured:
-# 0.66x the fused kernel's time at 512 keys, 1.05x at 1,024 (forward and backward, 12 heads of 64).
-CPU_BF16_EXPLICIT_MAX = 512
 
 
 @dataclass
@@ -97,10 +90,10 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        d, r, a = config.n_embd, config.lora_rank, config.lora_alpha
+        d = config.n_embd
         # Fused projection in Hugging Face's layout: rows grouped per head as [q | k | v].
-        self.qkv = LoRALinear(d, 3 * d, config.bias, r, a)
-        self.proj = LoRALinear(d, d, config.bias, r, a)
+        self.qkv = nn.Linear(d, 3 * d, bias=config.bias)
+        self.proj = nn.Linear(d, d, bias=config.bias)
         self.n_head, self.head_dim = config.n_head, config.head_dim
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -179,6 +172,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # untied, as in Pythia
         self.apply(self._init_weights)
+        if config.lora_rank:
+            attach_lora(self)
         self.init_new_params()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -209,8 +204,9 @@ class GPT(nn.Module):
                 nn.init.normal_(block.w_a_down.weight, std=c.preproj_init_std)
             if c.skip:
                 nn.init.normal_(block.w_skip.weight, std=c.skip_init_std)
-            block.attn.qkv.reset_lora()
-            block.attn.proj.reset_lora()
+            for m in (block.attn.qkv, block.attn.proj):
+                if isinstance(m, LoRALinear):
+                    m.reset_lora()
 
     def rotary(self, start: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of RoPE for positions start..start+T-1, computed in fp32 whatever the weights' dtype."""
@@ -236,15 +232,14 @@ class GPT(nn.Module):
         return self.ln_f(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Without targets: (logits for every position [B, T, V], None). With targets: (None, the mean
-        cross-entropy, -100 = ignore), computed chunk by chunk so that the full logits never exist."""
-        h = self.hidden_states(idx, cache)
+                cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits for every position [B, T, V], the mean cross-entropy against targets or None; -100 = ignore).
+        The log-softmax is taken in fp32 whatever the compute dtype. Training computes the same loss without the
+        full logits (lab/loss.py)."""
+        logits = self.lm_head(self.hidden_states(idx, cache))
         if targets is None:
-            return self.lm_head(h), None
-        loss = LinearCrossEntropy.apply(h.view(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                        torch.is_grad_enabled())
-        return None, loss
+            return logits, None
+        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
@@ -299,7 +294,12 @@ class GPT(nn.Module):
         return {n: p for n, p in self.state_dict().items() if not self.is_new(n)}
 
 
-# --- supporting pieces: attention, RoPE, LoRA, the K/V cache, the chunked training loss ---
+# --- supporting pieces: attention, RoPE, the K/V cache ---
+
+# The longest window that bf16 attention on a CPU writes out as two matrix products (see attention(); the
+# crossover is measured in docs/performance.md).
+CPU_BF16_EXPLICIT_MAX = 512
+
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(head_dim)) v over [B, n_head, T, head_dim]. The T queries are the last T of the
@@ -307,9 +307,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
     Two ways to compute the same thing. PyTorch's fused kernel (F.scaled_dot_product_attention) never holds the
     [T, S] scores, but on a CPU it is no faster in bf16 than in fp32. So in bf16 on a CPU, for windows of up to
-    CPU_BF16_EXPLICIT_MAX keys, attention is written out: two bf16 matrix products around an fp32 softmax, which
-    takes 0.5-0.66x the fused kernel's time at the embedded base's and pythia-160m's shapes (docs/performance.md).
-    Past that the scores' size costs more than the products save, and the fused kernel is used."""
+    CPU_BF16_EXPLICIT_MAX keys, the scores are written out: two bf16 matrix products around an fp32 softmax, faster
+    there (docs/performance.md); past that their size costs more than the products save."""
     T, S = q.size(-2), k.size(-2)
     fused = q.dtype != torch.bfloat16 or q.device.type != "cpu" or S > CPU_BF16_EXPLICIT_MAX
     if fused and T == S:
@@ -334,38 +333,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x_pass), dim=-1)
 
 
-class LoRALinear(nn.Linear):
-    """LoRA, the paper's baseline method: a Linear layer plus a low-rank update,
-    y = W x + b + (alpha / r) · B A x, with B starting at zero."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, rank: int, alpha: float):
-        super().__init__(in_features, out_features, bias=bias)
-        self.rank, self.scaling = rank, alpha / rank if rank else 0.0
-        if rank:
-            self.lora_a = nn.Parameter(torch.empty(rank, in_features))
-            self.lora_b = nn.Parameter(torch.empty(out_features, rank))
-            self.reset_lora()
-
-    @torch.no_grad()
-    def reset_lora(self) -> None:
-        """peft's initialisation: A Kaiming-uniform, B zero, so the update starts at exactly zero."""
-        if self.rank:
-            nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
-            nn.init.zeros_(self.lora_b)
-
-    def merged_weight(self) -> torch.Tensor:
-        """W + (alpha / r) · B A, summed in fp32: a plain Linear with this weight computes what this layer does."""
-        if not self.rank:
-            return self.weight
-        return (self.weight.float() + self.scaling * (self.lora_b.float() @ self.lora_a.float())).to(self.weight.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        if self.rank:
-            y = y + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling
-        return y
-
-
 class KVCache:
     """Keys and values of every layer, so that generation computes each position once; preallocated.
 
@@ -383,54 +350,42 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
 
-class LinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of the logits h @ W^T against targets (-100 = ignore), LOSS_CHUNK logits at a time.
+# ====================================================================================================================
+# LoRA, the baseline of the paper's comparison: attached after the model is built, not part of the architecture.
+# It keeps the base layers' names (blocks.N.attn.qkv.weight, ...) and adds lora_a and lora_b beside them.
+# ====================================================================================================================
 
-    Why not F.cross_entropy(lm_head(h)): with a 50k vocabulary the [tokens, vocab] logits are the largest tensors
-    of a step, and the standard path makes three more of their size (log-softmax, the loss's zero-filled gradient,
-    the log-softmax's gradient). Here each chunk's log-softmax becomes its own gradient, softmax - one_hot, in place
-    while it is at hand, and backward only scales what forward computed. That saves memory (past LOSS_CHUNK the
-    full logits never exist) and two passes over them. It equals the standard path to float rounding (tests).
-    """
+def attach_lora(model: GPT) -> None:
+    """Replace every block's fused QKV and attention output projections by LoRA layers around the same weights."""
+    c = model.config
+    for block in model.blocks:
+        for name in ("qkv", "proj"):
+            base = getattr(block.attn, name)
+            setattr(block.attn, name, LoRALinear(base, c.lora_rank, c.lora_alpha))
 
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_enabled: bool):
-        need_h, need_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
-        valid = targets != -100
-        scale = 1.0 / valid.sum().clamp(min=1)
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
-        # The matrix products run in the autocast dtype when autocast is on (bf16 on this project's CPUs); the
-        # log-softmax and the loss always in fp32, and grad_w accumulates in fp32 over the chunks.
-        device = h.device.type
-        mm = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
-        w = weight.to(mm)
-        rows = max(1, LOSS_CHUNK // weight.size(0))
-        for i in range(0, len(h), rows):
-            h_c = h[i:i + rows].to(mm)
-            t_c = targets[i:i + rows].clamp(min=0).unsqueeze(1)  # ignored rows pick any column, weighted 0
-            w_row = (valid[i:i + rows] * scale).unsqueeze(1)  # each row's weight in the mean: 1 / n_valid or 0
-            logp = torch.log_softmax((h_c @ w.T).float(), dim=-1)
-            loss -= (logp.gather(1, t_c) * w_row).sum()
-            if need_h or need_w:  # d loss / d logits = (softmax - one_hot) * w_row, the row weights applied to
-                g = logp.exp_().scatter_add_(1, t_c, -torch.ones_like(w_row)).to(mm)  # the small operands
-                if need_h:
-                    grad_h[i:i + rows] = (g @ w) * w_row
-                if need_w and mm == torch.float32:  # beta=0 on the first chunk: the empty buffer is written, not read
-                    grad_w.addmm_(g.T, h_c * w_row, beta=float(i > 0))
-                elif need_w:  # a bf16 product, accumulated in fp32
-                    g_w = g.T @ (h_c * w_row.to(mm))
-                    if i == 0:
-                        grad_w.copy_(g_w)
-                    else:
-                        grad_w.add_(g_w)
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.w_dtype = weight.dtype
-        return loss
 
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
-        grad_h, grad_w = ctx.saved_tensors  # ours alone: scaled in place
-        return (None if grad_h is None else grad_h.mul_(grad_loss.to(grad_h.dtype)),
-                None if grad_w is None else grad_w.mul_(grad_loss).to(ctx.w_dtype), None, None)
+class LoRALinear(nn.Linear):
+    """y = W x + b + (alpha / r) · B A x: a Linear layer (sharing the weight and bias of `base`) plus a low-rank
+    update whose B starts at zero, so that the model starts exactly at the base."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+        # on the meta device nn.Linear allocates and draws nothing: its weight and bias are base's
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
+        self.weight, self.bias = base.weight, base.bias
+        self.rank, self.scaling = rank, alpha / rank
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
+        self.lora_b = nn.Parameter(torch.empty(base.out_features, rank, device=base.weight.device))
+        self.reset_lora()
+
+    @torch.no_grad()
+    def reset_lora(self) -> None:
+        """peft's initialisation: A Kaiming-uniform, B zero, so the update starts at exactly zero."""
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_b)
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + (alpha / r) · B A, summed in fp32: a plain Linear with this weight computes what this layer does."""
+        return (self.weight.float() + self.scaling * (self.lora_b.float() @ self.lora_a.float())).to(self.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling

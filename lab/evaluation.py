@@ -46,7 +46,7 @@ from tokenizers import Tokenizer
 
 from data import benchmarks
 from data.sources import DataError, fetch, sha256
-from model import LOSS_CHUNK
+from lab.loss import LOSS_CHUNK, training_loss
 
 TASKS = ("lambada", "wikitext", "hellaswag", "arc_easy")
 PROTOCOLS = ("lm-eval", "paper")
@@ -469,7 +469,7 @@ def val_loss(model: torch.nn.Module, stream: np.ndarray, seq_len: int, max_token
         chunk = torch.stack([torch.from_numpy(stream[r * seq_len:(r + 1) * seq_len + 1].astype(np.int64))
                              for r in rows]).to(device)
         with ctx or nullcontext():
-            _, loss = model(chunk[:, :-1], chunk[:, 1:])
+            loss = training_loss(model, chunk[:, :-1], chunk[:, 1:])
         total += loss.item() * len(rows)
     model.train(was_training)
     return total / n

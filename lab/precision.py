@@ -4,7 +4,7 @@ Which precision a run computes in, and how the model's weights are held for it.
     float32    everything in fp32
     bfloat16   matrix products in bf16 (torch.autocast); trainable weights keep fp32 master copies, frozen weights
                are held in bf16 once (autocast would cast them at every step: the same numbers, more work);
-               the loss's log-softmax over the vocabulary stays in fp32 (model.LinearCrossEntropy)
+               the loss's log-softmax over the vocabulary stays in fp32 (lab/loss.py)
     paper      the author's recipe: the whole model in bf16, trained with no fp32 master copy (AdamW state in bf16
                too), except LoRA adapters, which peft keeps in fp32 (autocast_adapter_dtype=True); bf16 autocast
     auto       bfloat16 on a CPU with native bf16 matrix instructions (AVX512-BF16 or AMX) and on CUDA devices

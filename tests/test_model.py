@@ -69,49 +69,6 @@ def test_loss_and_gradients_match_transformers(tiny_hf_dir):
         assert (dict(ours.named_parameters())[name].grad - hf_grad).abs().max().item() < 1e-5, name
 
 
-@pytest.mark.parametrize("frozen_head", [False, True])
-def test_chunked_loss_matches_cross_entropy(monkeypatch, frozen_head):
-    """LinearCrossEntropy over several chunks equals F.cross_entropy on the full logits: loss, d h, d W, and the
-    loss alone under no_grad."""
-    import model
-    from model import LinearCrossEntropy
-
-    torch.manual_seed(0)
-    vocab, n = 1000, 70
-    monkeypatch.setattr(model, "LOSS_CHUNK", 16 * vocab)  # chunks of 16 rows: four full ones and a short one
-    h = torch.randn(n, 16, requires_grad=True)
-    w = (0.3 * torch.randn(vocab, 16)).requires_grad_(not frozen_head)
-    targets = torch.randint(0, vocab, (n,))
-    targets[::7] = -100
-    ref = torch.nn.functional.cross_entropy(h @ w.T, targets, ignore_index=-100)
-    ref_grads = torch.autograd.grad(ref, [h] if frozen_head else [h, w])
-    loss = LinearCrossEntropy.apply(h, w, targets, True)
-    grads = torch.autograd.grad(loss, [h] if frozen_head else [h, w])
-    assert abs(loss.item() - ref.item()) < 1e-5
-    for g, r in zip(grads, ref_grads):
-        assert (g - r).abs().max().item() < 1e-6
-    with torch.no_grad():
-        assert abs(LinearCrossEntropy.apply(h, w, targets, False).item() - ref.item()) < 1e-5
-
-
-def test_chunked_loss_under_bf16_autocast():
-    """The path CUDA training takes (bf16 autocast, fp32 weights) gives fp32 gradients near the fp32 ones."""
-    from model import LinearCrossEntropy
-
-    torch.manual_seed(0)
-    h = torch.randn(40, 16, requires_grad=True)
-    w = (0.3 * torch.randn(1000, 16)).requires_grad_()
-    targets = torch.randint(0, 1000, (40,))
-    ref = torch.nn.functional.cross_entropy(h @ w.T, targets)
-    ref_grads = torch.autograd.grad(ref, [h, w])
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = LinearCrossEntropy.apply(h, w, targets, True)
-    grads = torch.autograd.grad(loss, [h, w])
-    assert loss.dtype == torch.float32 and abs(loss.item() - ref.item()) < 0.02
-    for g, r in zip(grads, ref_grads):
-        assert g.dtype == torch.float32 and (g - r).abs().max().item() < 0.01 * r.abs().max().item()
-
-
 def test_switches_combine_independently():
     torch.manual_seed(0)
     x = batch(vocab=128)
@@ -122,8 +79,8 @@ def test_switches_combine_independently():
                                 preproj=preproj, skip=skip, lora_rank=r)
                 m = GPT(cfg)
                 logits, no_loss = m(x)
-                no_logits, loss = m(x, x)
-                assert logits.shape == (3, 17, 128) and no_loss is None and no_logits is None
+                same_logits, loss = m(x, x)
+                assert logits.shape == (3, 17, 128) and no_loss is None and torch.equal(same_logits, logits)
                 assert torch.isfinite(loss)
                 assert (m.blocks[0].w_up is not None) == preproj and (m.blocks[0].w_skip is not None) == skip
 

@@ -1,0 +1,89 @@
+"""
+The training loss, computed without the full logits: the same number as `model(x, y)[1]` (model.py's plain
+F.cross_entropy), with less memory and fewer passes over the largest tensors of a step. Training, held-out losses
+and the benchmark scorer use it; tests/test_model.py holds it equal to the plain path in value and gradient.
+
+    loss = training_loss(model, x, y)          # what train.py minimises
+    step_model = TrainingObjective(model)      # the same as a module, for torch.compile and DDP to wrap
+"""
+
+import torch
+import torch.nn as nn
+
+from model import GPT
+
+# Logits per chunk of the training loss and of the benchmark scorer (2**26 floats = 256 MB in fp32): large enough
+# that the output layer's matrix products stay efficient, small enough that the full [tokens, vocab] logits never
+# exist.
+LOSS_CHUNK = 2**26
+
+
+def training_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of model on (idx, targets), -100 = ignore, as model(idx, targets)[1] computes it."""
+    h = model.hidden_states(idx)
+    return LinearCrossEntropy.apply(h.flatten(0, 1), model.lm_head.weight, targets.flatten(), torch.is_grad_enabled())
+
+
+class TrainingObjective(nn.Module):
+    """training_loss as a module: what the loop calls, and what torch.compile and DistributedDataParallel wrap
+    (DDP synchronises the gradients of the module it wraps only when called through its forward)."""
+
+    def __init__(self, model: GPT):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return training_loss(self.model, idx, targets)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of the logits h @ W^T against targets (-100 = ignore), LOSS_CHUNK logits at a time.
+
+    Why not F.cross_entropy(lm_head(h)): with a 50k vocabulary the [tokens, vocab] logits are the largest tensors
+    of a step, and the standard path makes three more of their size (log-softmax, the loss's zero-filled gradient,
+    the log-softmax's gradient). Here each chunk's log-softmax becomes its own gradient, softmax - one_hot, in place
+    while it is at hand, and backward only scales what forward computed. That saves memory (past LOSS_CHUNK the
+    full logits never exist) and two passes over them. It equals the standard path to float rounding (tests).
+    """
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_enabled: bool):
+        need_h, need_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
+        valid = targets != -100
+        scale = 1.0 / valid.sum().clamp(min=1)
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
+        # The matrix products run in the autocast dtype when autocast is on (bf16 on this project's CPUs); the
+        # log-softmax and the loss always in fp32, and grad_w accumulates in fp32 over the chunks.
+        device = h.device.type
+        mm = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        w = weight.to(mm)
+        rows = max(1, LOSS_CHUNK // weight.size(0))
+        for i in range(0, len(h), rows):
+            h_c = h[i:i + rows].to(mm)
+            t_c = targets[i:i + rows].clamp(min=0).unsqueeze(1)  # ignored rows pick any column, weighted 0
+            w_row = (valid[i:i + rows] * scale).unsqueeze(1)  # each row's weight in the mean: 1 / n_valid or 0
+            logp = torch.log_softmax((h_c @ w.T).float(), dim=-1)
+            loss -= (logp.gather(1, t_c) * w_row).sum()
+            if need_h or need_w:  # d loss / d logits = (softmax - one_hot) * w_row, the row weights applied to
+                g = logp.exp_().scatter_add_(1, t_c, -torch.ones_like(w_row)).to(mm)  # the small operands
+                if need_h:
+                    grad_h[i:i + rows] = (g @ w) * w_row
+                if need_w and mm == torch.float32:  # beta=0 on the first chunk: the empty buffer is written, not read
+                    grad_w.addmm_(g.T, h_c * w_row, beta=float(i > 0))
+                elif need_w:  # a bf16 product, accumulated in fp32
+                    g_w = g.T @ (h_c * w_row.to(mm))
+                    if i == 0:
+                        grad_w.copy_(g_w)
+                    else:
+                        grad_w.add_(g_w)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.w_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors  # ours alone: scaled in place
+        return (None if grad_h is None else grad_h.mul_(grad_loss.to(grad_h.dtype)),
+                None if grad_w is None else grad_w.mul_(grad_loss).to(ctx.w_dtype), None, None)
