@@ -11,24 +11,18 @@ A run folder holds ckpt.pt, config.json, tokenizer.json, metrics.jsonl and eval.
 only the new parameters plus a reference to its base (how to load it, as the user named it, and a sha256 of its
 weights), so it is small and re-attaches to exactly the base it was trained on.
 
-What keeps a run folder whole (docs/reliability.md): ckpt.pt alone holds the step (config.json describes the model
-and never changes during a run), every file is written under a temporary name and renamed, a lock lets one process
-at a time write the folder, and metrics.jsonl is cut back to the checkpoint's step when a run resumes.
+ckpt.pt alone holds the step: config.json describes the model and never changes during a run. Every file is written
+under a temporary name and renamed (save_run_file); what else keeps a run folder whole is in lab/run_folder.py.
 """
 
-import fcntl
 import hashlib
 import json
-import os
-import socket
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, TextIO
 
 import torch
 from tokenizers import Tokenizer
 
-from data.sources import fetch, write_atomic, write_error
+from data.sources import fetch, write_atomic
 from load_pythia import hf_folder, load_pythia, load_tokenizer, read_tokenizer
 from model import GPT, SWITCHES, GPTConfig
 
@@ -113,61 +107,6 @@ def read_checkpoint(folder: Path, mmap: bool = False) -> dict:
     if not isinstance(ckpt, dict) or "kind" not in ckpt or "config" not in ckpt:
         raise CheckpointError(f"{path} is not a checkpoint of this project (no kind/config entries)")
     return ckpt
-
-
-# --- a run folder while a run writes it: one writer, no stale temporaries, a metrics log that matches ---
-
-@contextmanager
-def lock_run_folder(folder: Path) -> Iterator[None]:
-    """Hold the run folder for this process (creating it): a second run into it stops with a CheckpointError
-    naming the holder. The lock is the kernel's (flock on .lock), so it ends with the process, however it ends:
-    the .lock file a killed run leaves behind blocks nobody."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            raise CheckpointError(f"{folder} is in use by {holder}; wait for that run to end or pick another "
-                                  f"--out_dir") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"process {os.getpid()} on {socket.gethostname()}")
-        f.flush()
-        yield  # leaving the with block closes the file, which releases the lock
-
-
-def clean_temporaries(folder: Path) -> None:
-    """Remove the .<name>.tmp files a killed or failed write left behind (call it holding the lock)."""
-    for tmp in Path(folder).glob(".*.tmp"):
-        tmp.unlink(missing_ok=True)
-
-
-def open_metrics(folder: Path, step: int) -> TextIO:
-    """metrics.jsonl for appending, cut back to the records up to `step`: the checkpoint a run resumes from, or 0
-    for a new run, which starts it afresh. So no step is logged twice and no other run's records remain."""
-    path = Path(folder) / "metrics.jsonl"
-    kept = []
-    if step and path.is_file():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                if json.loads(line)["step"] > step:
-                    break
-            except (ValueError, KeyError, TypeError):  # a line cut short by a kill: it and what follows go
-                break
-            kept.append(line + "\n")
-    write_atomic(path, "".join(kept))
-    return open(path, "a", encoding="utf-8")
-
-
-def append_metrics(log: TextIO, record: dict) -> None:
-    """One record (a JSON line), flushed at once so that a kill loses at most the line being written."""
-    try:
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-    except OSError as e:
-        raise write_error(Path(log.name), e) from e
 
 
 def load_model(init_from: str, *, mirror: str | None = None, **switches) -> tuple[GPT, Tokenizer, dict]:
