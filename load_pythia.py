@@ -236,7 +236,7 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     if c.preproj or c.skip or c.adapter_dim:
         raise ValueError("pre-projection and the content skip (and the capacity adapter) change the block, so no "
                          "GPT-NeoX folder can hold this model; evaluate it with lm-evaluation-harness through our "
-                         "adapter instead: python eval_lambada.py --init_from <this model> --harness <tasks> "
+                         "adapter instead: python -m tools.harness --init_from <this model> --tasks <tasks> "
                          "(docs/harness.md)")
     if not c.bias:  # GPT-NeoX's MLP always has biases
         raise ValueError("a model without biases has no GPT-NeoX form")
