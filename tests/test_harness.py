@@ -1,4 +1,4 @@
-"""lm-evaluation-harness on our models (tools/harness.py) and the Hugging Face export (load_pythia.py --export).
+"""lm-evaluation-harness on our models (tools/harness.py) and the Hugging Face export (tools/export.py).
 
 The harness runs local task definitions (YAML written here) that read the mirror's LAMBADA and ARC-Easy files,
 so nothing is downloaded; its numbers are compared per item with our own scorer, and the exported folders with
@@ -8,6 +8,7 @@ transformers and with lm-eval's own Hugging Face model (HFLM).
 import importlib
 import json
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -18,11 +19,11 @@ from tokenizers import Tokenizer
 import eval_lambada
 import load_pythia
 import tools
-from conftest import make_hf_model
+from conftest import ROOT, make_hf_model
 from data import benchmarks
 from lab import evaluation as ev
 from lab.checkpoint import load_model, save_checkpoint, weights_sha256
-from tools import harness
+from tools import export, harness
 
 WINDOW = 64  # short, so that LAMBADA passages are left-truncated
 N = 6  # items per task
@@ -299,11 +300,11 @@ def test_export_refuses_what_gpt_neox_cannot_hold(probe, tiny, tmp_path, capsys)
     out = tmp_path / "hf"
     with pytest.raises(SystemExit, match=r"^error: pre-projection and the content skip \(and the capacity adapter\) "
                                          r".* python -m tools\.harness --init_from"):
-        load_pythia.main(["--export", str(out), "--init_from", probe])
+        export.main(["--init_from", probe, "--out", str(out)])
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
     with pytest.raises(SystemExit, match="^error: .*taken already exists and is not empty"):
-        load_pythia.main(["--export", str(tmp_path / "taken"), "--init_from", tiny[0]])
+        export.main(["--init_from", tiny[0], "--out", str(tmp_path / "taken")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # nothing half-written, no temp folder left
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
 
@@ -316,7 +317,9 @@ def test_exported_micro_base_is_complete_and_runs_in_lm_eval(micro_base, tmp_pat
     from transformers import AutoTokenizer
 
     out = tmp_path / "nano-hf"
-    load_pythia.main(["--export", str(out), "--init_from", micro_base])
+    proc = subprocess.run([sys.executable, "-m", "tools.export", "--init_from", micro_base, "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"wrote {out}: "), proc.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "special_tokens_map.json",
                                                     "tokenizer.json", "tokenizer_config.json"]
     model, tok, _ = load_model(micro_base)
