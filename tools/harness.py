@@ -125,7 +125,7 @@ class HarnessLM(LM or object):
 def task_manager(tasks: list[str], include_path: str | None = None):
     """An lm-eval TaskManager that knows every requested task; ValueError naming the first unknown one.
 
-    Tasks all found in include_path load without indexing lm-eval's own task files, which takes seconds.
+    Tasks all found in include_path load without indexing lm-eval's own task files, the slow part of a TaskManager.
     """
     from lm_eval.tasks import TaskManager
 
