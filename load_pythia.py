@@ -1,9 +1,13 @@
 """
 Hugging Face GPT-NeoX checkpoints (Pythia) <-> our GPT, and Pythia's tokenizer. The only file that knows HF names.
 
-    python load_pythia.py pythia-160m --prompt "The capital of France is"
-    python load_pythia.py path/to/hf_folder --prompt "..." --tokenizer path/to/tokenizer.json
-    python load_pythia.py --export out/run-hf --init_from out/run     # any model without pre-projection or skip
+    model = load_pythia("pythia-160m", preproj=True)      # a Hub name or a local Hugging Face folder
+    save_hf_folder(model, tokenizer, "out/run-hf")        # back to a Hugging Face folder (any model without the
+                                                          # research switches)
+
+A loader, imported by the library (lab.checkpoint) and by nothing below it: it imports only model and data. The
+commands that use it are `python sample.py --init_from pythia-160m --prompt "..."` (generation from any Hub name or
+folder) and `python -m tools.export --init_from out/run --out out/run-hf` (the export).
 """
 
 import json
@@ -16,7 +20,6 @@ import torch
 from tokenizers import Tokenizer
 
 from data.sources import write_atomic
-from lab.cli import ArgumentParser, positive_int, utf8
 from model import GPT, GPTConfig, LoRALinear
 
 # Buffers that old Pythia checkpoints carry and that we recompute: ignored on load.
@@ -236,7 +239,7 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     if c.preproj or c.skip or c.adapter_dim:
         raise ValueError("pre-projection and the content skip (and the capacity adapter) change the block, so no "
                          "GPT-NeoX folder can hold this model; evaluate it with lm-evaluation-harness through our "
-                         "adapter instead: python eval_lambada.py --init_from <this model> --harness <tasks> "
+                         "adapter instead: python -m tools.harness --init_from <this model> --tasks <tasks> "
                          "(docs/harness.md)")
     if not c.bias:  # GPT-NeoX's MLP always has biases
         raise ValueError("a model without biases has no GPT-NeoX form")
@@ -285,50 +288,3 @@ def save_hf_folder(model: GPT, tokenizer: Tokenizer, folder: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-
-def export(init_from: str, folder: str) -> None:
-    """The --export command: load a model as every script does and write it as a Hugging Face folder."""
-    from lab.checkpoint import CheckpointError, load_model  # checkpoint imports this module
-
-    try:
-        free_folder(folder)  # before loading a model that may be large
-        model, tokenizer, _ = load_model(init_from)
-        save_hf_folder(model, tokenizer, folder)
-    except (CheckpointError, ValueError, OSError) as e:
-        raise SystemExit(f"error: {e}")
-    lora = " (LoRA merged into the weights)" if model.config.lora_rank else ""
-    print(f"wrote {folder}: {model.num_params('base'):,} parameters{lora}")
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = ArgumentParser(description="Load a Pythia checkpoint, print its size and a greedy continuation; "
-                                   "or, with --export, write a model as a Hugging Face GPT-NeoX folder.")
-    p.add_argument("name_or_dir", nargs="?",
-                   help="pythia-160m, EleutherAI/pythia-410m[@revision], or a Hugging Face folder")
-    p.add_argument("--prompt", type=utf8, default="The meaning of life is")
-    p.add_argument("--max_new_tokens", type=positive_int, default=32)
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one beside the weights)")
-    p.add_argument("--preproj", action="store_true")
-    p.add_argument("--skip", action="store_true")
-    p.add_argument("--export", metavar="DIR", help="write --init_from as a Hugging Face GPT-NeoX folder DIR")
-    p.add_argument("--init_from", help="with --export: the model, anything the other scripts' --init_from accepts")
-    args = p.parse_args(argv)
-    if args.export or args.init_from:
-        if not (args.export and args.init_from):
-            p.error("--export DIR and --init_from MODEL go together")
-        return export(args.init_from, args.export)
-    if not args.name_or_dir:
-        p.error("name a checkpoint (e.g. pythia-160m), or use --export DIR --init_from MODEL")
-    try:
-        model = load_pythia(args.name_or_dir, preproj=args.preproj, skip=args.skip)
-        tok = load_tokenizer(args.tokenizer or hf_folder(args.name_or_dir))
-        idx = torch.tensor([tok.encode(args.prompt).ids])
-        out = model.generate(idx, args.max_new_tokens, temperature=0)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        raise SystemExit(f"error: {e}")
-    print(f"parameters: {model.num_params('base'):,} base + {model.num_params('new'):,} new")
-    print(tok.decode(out[0].tolist()))
-
-
-if __name__ == "__main__":
-    main()

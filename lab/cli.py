@@ -170,6 +170,19 @@ def format_table(header: list[str], rows: list[list], markdown: bool = False) ->
     return "\n".join([line([str(h) for h in header])] + [line(r) for r in cells])
 
 
+def results_table(results: dict) -> str:
+    """evaluation.evaluate's results (and the harness adapter's, in the same layout) as a table: one row per task and
+    metric, then a line for each task's truncation count and note."""
+    rows = [[task, name, m["value"], m["stderr"], r["n"]]
+            for task, r in results.items() for name, m in r["metrics"].items()]
+    lines = [format_table(["task", "metric", "value", "stderr", "n"], rows)]
+    for task, r in results.items():
+        if r["truncated"]:
+            lines.append(f"{task}: {r['truncated']} of {r['n']} items cut to fit the model's window")
+        if "note" in r:
+            lines.append(f"{task}: {r['note']}")
+    return "\n".join(lines)
+
 def keep_freed_memory() -> bool:
     """Ask glibc to keep freed memory for reuse instead of handing it back to the operating system.
 

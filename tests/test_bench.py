@@ -1,4 +1,4 @@
-"""bench.py must keep running (a smoke run; speed itself is measured by bench.py, never asserted here), and the
+"""tools/bench.py must keep running (a smoke run; speed itself is measured by the bench, never asserted here), and the
 optional --compile path of train.py must train exactly like eager mode."""
 
 import json

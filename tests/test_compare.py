@@ -1,5 +1,5 @@
-"""Paired comparisons: McNemar's exact test and the paired bootstrap on cases with known answers, compare.py end to
-end on hand-written item files, and evaluations of different items."""
+"""Paired comparisons: McNemar's exact test and the paired bootstrap on cases with known answers, tools/compare.py
+end to end on hand-written item files, and evaluations of different items."""
 
 import json
 import math

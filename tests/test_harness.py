@@ -1,12 +1,14 @@
-"""lm-evaluation-harness on our models (harness.py) and the Hugging Face export (load_pythia.py --export).
+"""lm-evaluation-harness on our models (tools/harness.py) and the Hugging Face export (tools/export.py).
 
 The harness runs local task definitions (YAML written here) that read the mirror's LAMBADA and ARC-Easy files,
 so nothing is downloaded; its numbers are compared per item with our own scorer, and the exported folders with
 transformers and with lm-eval's own Hugging Face model (HFLM).
 """
 
+import importlib
 import json
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -16,17 +18,19 @@ from tokenizers import Tokenizer
 
 import eval_lambada
 import load_pythia
-from conftest import make_hf_model
+import tools
+from conftest import ROOT, make_hf_model
 from data import benchmarks
 from lab import evaluation as ev
 from lab.checkpoint import load_model, save_checkpoint, weights_sha256
-from tools import harness
+from tools import export, harness
 
 WINDOW = 64  # short, so that LAMBADA passages are left-truncated
 N = 6  # items per task
 GEN_TOKENS = 8  # max_gen_toks of the generation task
 # |log-likelihood difference| per item, harness path against our scorer: the same scorer, but the harness batches
-# other requests together (other padding, other matrix shapes), so float rounding differs (measured ~1e-6)
+# other requests together (other padding, other matrix shapes), so float rounding differs (docs/harness.md has
+# the measured differences)
 LP_TOL = 1e-5
 LOGIT_TOL = 1e-4  # exported folder in transformers against our model, fp32
 
@@ -186,8 +190,8 @@ def probe(tiny, tmp_path_factory):
 
 def test_cli_runs_harness_tasks_on_a_probe(probe, tasks, tmp_path, mirror, capsys):
     out = tmp_path / "harness.json"
-    eval_lambada.main(["--init_from", probe, "--dtype", "float32", "--harness", "lambada_mirror",
-                       "--harness_include", tasks[0], "--limit", "3", "--device", "cpu", "--out", str(out)])
+    harness.main(["--init_from", probe, "--dtype", "float32", "--tasks", "lambada_mirror",
+                  "--include_path", tasks[0], "--limit", "3", "--device", "cpu", "--out", str(out)])
     report = json.loads(out.read_text())
     result = report["results"]["lambada_mirror"]
     model, tok, _ = load_model(probe)
@@ -195,13 +199,13 @@ def test_cli_runs_harness_tasks_on_a_probe(probe, tasks, tmp_path, mirror, capsy
     assert result["n"] == 3 and result["requests"] == 3 and result["truncated"] == ours["truncated"]
     assert result["metrics"]["acc"]["value"] == pytest.approx(ours["metrics"]["acc"]["value"])
     assert result["metrics"]["perplexity"]["value"] == pytest.approx(ours["metrics"]["ppl"]["value"], rel=LP_TOL)
-    assert model.config.preproj and model.config.skip and report["config"]["harness"] == "lambada_mirror"
+    assert model.config.preproj and model.config.skip and report["config"]["tasks"] == ["lambada_mirror"]
     assert "perplexity" in capsys.readouterr().out
 
 
 def test_cli_unknown_harness_task(tiny, tasks, monkeypatch):
-    """The name is checked before the model loads. (lm-eval's own ~15,000 task files are left out of the index
-    here only to keep the test fast: the lookup is the same.)"""
+    """The name is checked before the model loads. (lm-eval's own task files are left out of the index here only to
+    keep the test fast: the lookup is the same.)"""
     import functools
 
     import lm_eval.tasks
@@ -209,12 +213,11 @@ def test_cli_unknown_harness_task(tiny, tasks, monkeypatch):
     monkeypatch.setattr(lm_eval.tasks, "TaskManager",
                         functools.partial(lm_eval.tasks.TaskManager, include_defaults=False))
     with pytest.raises(SystemExit, match="^error: lm-eval knows no task 'piqa_nowhere'"):
-        eval_lambada.main(["--init_from", "no/such/model", "--harness", "piqa_nowhere",
-                           "--harness_include", tasks[0]])
+        harness.main(["--init_from", "no/such/model", "--tasks", "piqa_nowhere", "--include_path", tasks[0]])
 
 
 def test_cli_task_whose_data_is_out_of_reach(tiny, tmp_path, monkeypatch):
-    """Most lm-eval tasks read the Hugging Face Hub; offline that is one line pointing at --harness_include."""
+    """Most lm-eval tasks read the Hugging Face Hub; offline that is one line pointing at --include_path."""
     import datasets
     import huggingface_hub
 
@@ -223,22 +226,28 @@ def test_cli_task_whose_data_is_out_of_reach(tiny, tmp_path, monkeypatch):
     (tmp_path / "hub.yaml").write_text(yaml.safe_dump({
         "task": "hub_task", "dataset_path": "no-such-owner/no-such-data", "output_type": "loglikelihood",
         "test_split": "test", "doc_to_text": "{{text}}", "doc_to_target": "{{text}}", "metric_list": [mean("acc")]}))
-    with pytest.raises(SystemExit, match="^error: Couldn't reach 'no-such-owner/no-such-data' .*--harness_include"):
-        eval_lambada.main(["--init_from", tiny[0], "--harness", "hub_task", "--harness_include", str(tmp_path),
-                           "--out", str(tmp_path / "never.json")])
+    with pytest.raises(SystemExit, match="^error: Couldn't reach 'no-such-owner/no-such-data' .*--include_path"):
+        harness.main(["--init_from", tiny[0], "--tasks", "hub_task", "--include_path", str(tmp_path),
+                      "--out", str(tmp_path / "never.json")])
     assert not (tmp_path / "never.json").exists()
 
 
 def test_without_lm_eval(tiny, monkeypatch, mirror, tmp_path):
-    """lm-eval is optional: our own tasks run without it, and --harness says in one line how to install it."""
-    for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")] + ["harness"]:
+    """lm-eval is optional: our own tasks run without it, the adapter's module still imports, and its command says
+    in one line how to install it, before loading the model and writing anything."""
+    for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")] + ["tools.harness"]:
         monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delattr(tools, "harness")  # restored afterwards, with the module above
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # makes `import lm_eval` fail
     eval_lambada.main(["--init_from", tiny[0], "--tasks", "lambada", "--limit", "2", "--mirror", mirror,
                        "--out", str(tmp_path / "eval.json")])
+    assert "tools.harness" not in sys.modules  # eval_lambada imports no tool
+    without = importlib.import_module("tools.harness")
     with pytest.raises(SystemExit, match=r"^error: lm-evaluation-harness is not installed; .*`pip install lm-eval`"):
-        eval_lambada.main(["--init_from", tiny[0], "--harness", "piqa"])
-    assert "harness" not in sys.modules
+        without.main(["--init_from", "no/such/model", "--tasks", "piqa", "--out", str(tmp_path / "never.json")])
+    with pytest.raises(ImportError, match="lm-evaluation-harness is not installed"):
+        without.HarnessLM(tiny[1], tiny[2])
+    assert not (tmp_path / "never.json").exists()
 
 
 # --- export to a Hugging Face folder ---
@@ -289,13 +298,13 @@ def test_export_merges_lora(tiny, tmp_path):
 
 def test_export_refuses_what_gpt_neox_cannot_hold(probe, tiny, tmp_path, capsys):
     out = tmp_path / "hf"
-    with pytest.raises(SystemExit,
-                       match=r"^error: pre-projection and the content skip \(and the capacity adapter\) .* --harness"):
-        load_pythia.main(["--export", str(out), "--init_from", probe])
+    with pytest.raises(SystemExit, match=r"^error: pre-projection and the content skip \(and the capacity adapter\) "
+                                         r".* python -m tools\.harness --init_from"):
+        export.main(["--init_from", probe, "--out", str(out)])
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
     with pytest.raises(SystemExit, match="^error: .*taken already exists and is not empty"):
-        load_pythia.main(["--export", str(tmp_path / "taken"), "--init_from", tiny[0]])
+        export.main(["--init_from", tiny[0], "--out", str(tmp_path / "taken")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # nothing half-written, no temp folder left
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
 
@@ -308,7 +317,9 @@ def test_exported_micro_base_is_complete_and_runs_in_lm_eval(micro_base, tmp_pat
     from transformers import AutoTokenizer
 
     out = tmp_path / "nano-hf"
-    load_pythia.main(["--export", str(out), "--init_from", micro_base])
+    proc = subprocess.run([sys.executable, "-m", "tools.export", "--init_from", micro_base, "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"wrote {out}: "), proc.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "special_tokens_map.json",
                                                     "tokenizer.json", "tokenizer_config.json"]
     model, tok, _ = load_model(micro_base)

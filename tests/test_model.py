@@ -264,20 +264,48 @@ def test_prompt_longer_than_block_size():
         m(torch.zeros(1, 17, dtype=torch.long))
 
 
-def test_load_pythia_cli(tmp_path, mirror):
+# --- the loader's place, and generation from a Hugging Face folder (sample.py) ---
+
+def test_loader_imports_only_model_and_data():
+    """load_pythia.py sits below the library (lab/) and above the model: it imports no lab module and no tool."""
+    import ast
+
+    from conftest import ROOT
+    tree = ast.parse(open(os.path.join(ROOT, "load_pythia.py")).read())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    ours = {name.split(".")[0] for name in imported} & {"lab", "tools", "study", "train", "sample", "eval_lambada"}
+    assert not ours and {"model", "data.sources"} <= imported, imported
+
+
+def test_sample_generates_from_a_hugging_face_folder(tmp_path, mirror):
+    """sample.py on a folder written by transformers' save_pretrained: greedy text equals transformers' own greedy
+    continuation; without a tokenizer.json beside the weights it takes Pythia's from the mirror."""
+    import shutil
     import subprocess
     import sys
 
     from conftest import ROOT
-    make_hf_model(vocab=50304, d=64, max_pos=64).save_pretrained(tmp_path)
-    tok = os.path.join(mirror, "tokenizers", "20B_tokenizer.json")
-    proc = subprocess.run([sys.executable, "load_pythia.py", str(tmp_path), "--prompt", "Hello world",
-                           "--max_new_tokens", "5", "--tokenizer", tok, "--preproj", "--skip"],
-                          cwd=ROOT, capture_output=True, text=True)
+    tok_file = os.path.join(mirror, "tokenizers", "20B_tokenizer.json")
+    hf = make_hf_model(vocab=50304, d=64, max_pos=64)
+    hf.save_pretrained(tmp_path / "bare")
+    shutil.copytree(tmp_path / "bare", tmp_path / "hf")
+    shutil.copy(tok_file, tmp_path / "hf" / "tokenizer.json")
+    tok = load_tokenizer(tok_file)
+    ids = tok.encode("Hello world").ids
+    with torch.no_grad():
+        for _ in range(5):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+
+    def sample(folder, *flags):
+        return subprocess.run([sys.executable, "sample.py", "--init_from", str(folder), "--prompt", "Hello world",
+                               "--max_new_tokens", "5", "--device", "cpu", "--dtype", "float32", "--mirror", mirror,
+                               *flags], cwd=ROOT, capture_output=True, text=True)
+
+    proc = sample(tmp_path / "hf", "--temperature", "0")
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.strip().splitlines()
-    assert lines[0].startswith("parameters: ") and "new" in lines[0]
-    assert lines[1].startswith("Hello world") and len(lines[1]) > len("Hello world")
-    proc = subprocess.run([sys.executable, "load_pythia.py", str(tmp_path)], cwd=ROOT, capture_output=True,
-                          text=True)  # no tokenizer.json beside these weights: one clear line
-    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: no tokenizer.json")
+    assert proc.stdout == f"--- sample 1 of 1 ({tmp_path / 'hf'}) ---\n{tok.decode(ids)}\n\n"
+    proc = sample(tmp_path / "bare", "--preproj", "--skip")  # no tokenizer.json: Pythia's, from the mirror
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout.split(" ---\n", 1)[1].removesuffix("\n\n")
+    assert text.startswith("Hello world") and len(text) > len("Hello world")

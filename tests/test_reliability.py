@@ -19,7 +19,6 @@ import torch
 
 import analyze_layers
 import eval_lambada
-import load_pythia
 import sample
 import train
 from conftest import MICRO, ROOT, run
@@ -27,7 +26,7 @@ from data.prepare import load_nano_split
 from lab import checkpoint
 from lab.checkpoint import load_model, read_checkpoint
 from lab.evaluation import val_loss
-from tools import bench
+from tools import bench, export, harness
 
 # --- helpers ---
 
@@ -146,7 +145,11 @@ BAD_FLAGS = [
     (bench, "--reps 0", "--reps"),
     (bench, "--shapes pythia-7b", "unknown shape 'pythia-7b'"),
     (bench, "--smoke --batch 8 --eval_from nano", "--smoke sets its own --batch, --eval_from"),
-    (load_pythia, "some/folder --max_new_tokens 0", "--max_new_tokens"),
+    (export, "--init_from nano --out {file}", "is a file; pass a folder"),
+    (export, "--init_from nano --out {file}/hf", "is a file, not a folder"),
+    (harness, "--tasks {empty}", "--tasks: expected at least one name"),
+    (harness, "--tasks piqa --limit 0", "--limit"),
+    (harness, "--tasks piqa --out {dir}", "is a folder; pass a file name"),
 ]
 
 
@@ -165,7 +168,11 @@ def test_bad_flags_from_a_shell(tmp_path):
     for argv, start in ((["train.py", "--lr", "nan", "--out_dir", tmp_path / "run"], "error: argument --lr: "),
                         (["eval_lambada.py", "--tasks", ""], "error: argument --tasks: "),
                         (["-m", "tools.bench", "--smoke", "--seq", "64"], "error: --smoke sets its own --seq"),
-                        (["-m", "tools.bench", "--sections", "1,7"], "error: argument --sections: expected a comma")):
+                        (["-m", "tools.bench", "--sections", "1,7"], "error: argument --sections: expected a comma"),
+                        (["-m", "tools.export", "--init_from", "nano"], "error: the following arguments are required: "
+                                                                         "--out"),
+                        (["-m", "tools.harness", "--init_from", "nano"], "error: the following arguments are "
+                                                                          "required: --tasks")):
         proc = script(*argv)
         assert proc.returncode == 2 and proc.stdout == ""
         assert error_line(proc.returncode, proc.stderr).startswith(start)

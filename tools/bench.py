@@ -1,9 +1,11 @@
 """
 Speed and memory, measured side by side in one run, printed as a markdown table of ratios with the raw figures.
 
-    python bench.py                 # CPU: pythia-70m and pythia-160m shapes, fp32 and bf16 (about 15 minutes)
-    python bench.py --smoke         # tiny shapes, a few seconds: checks that every section runs
-    python bench.py --shapes pythia-160m --sections 1,6    # the bf16 measures only (sections 1, 3 and 6)
+    python -m tools.bench              # pythia-70m and pythia-160m shapes, fp32 and bf16, every section
+    python -m tools.bench --smoke      # tiny shapes and counts: checks that every section runs
+    python -m tools.bench --shapes pythia-160m --sections 1,6    # the bf16 measures only (sections 1, 3 and 6)
+
+docs/performance.md holds the measured tables and how long a full run takes.
 
 Sections (the targets are checked in the same run, never by timed unit tests):
   1. training step tokens/s, ours vs transformers.GPTNeoXForCausalLM with the same weights, full fine-tune and
@@ -38,29 +40,31 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from data.prepare import VOCAB_SIZE
 from data.sources import DataError
 from lab.checkpoint import ROOT, CheckpointError
 from lab.cli import ArgumentParser, device, explicit_flags, format_table, keep_freed_memory, positive_int
 from lab.evaluation import encode_pair, score_pairs
 from lab.precision import DTYPES, autocast, dtype_name, for_inference, hold_matrices_in
+from lab.recipes import NANO_SHAPE
 from load_pythia import load_pythia
 from model import GPT, GPTConfig, KVCache, attention
 
-SHAPES = {  # name: (vocab, d, layers, heads)
-    "nano": (8192, 192, 6, 3),  # the embedded base (train.NANO_RECIPE)
-    "pythia-70m": (50304, 512, 6, 8),
-    "pythia-160m": (50304, 768, 12, 12),
-    "tiny": (512, 64, 2, 4),
+SHAPES = {  # name: GPTConfig's shape settings
+    "nano": dict(vocab_size=VOCAB_SIZE, **{k: NANO_SHAPE[k] for k in ("n_layer", "n_head", "n_embd")}),  # embedded
+    "pythia-70m": dict(vocab_size=50304, n_layer=6, n_head=8, n_embd=512),
+    "pythia-160m": dict(vocab_size=50304, n_layer=12, n_head=12, n_embd=768),
+    "tiny": dict(vocab_size=512, n_layer=2, n_head=4, n_embd=64),
 }
 
 
 def hf_model(shape: str, device: str):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    vocab, d, layers, heads = SHAPES[shape]
-    cfg = GPTNeoXConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
-                        intermediate_size=4 * d, rotary_pct=0.25, max_position_embeddings=2048,
-                        attn_implementation="sdpa")
+    c = shape_config(shape)
+    cfg = GPTNeoXConfig(vocab_size=c.vocab_size, hidden_size=c.n_embd, num_hidden_layers=c.n_layer,
+                        num_attention_heads=c.n_head, intermediate_size=c.intermediate_size, rotary_pct=c.rotary_pct,
+                        max_position_embeddings=c.block_size, attn_implementation="sdpa")
     torch.manual_seed(0)
     return GPTNeoXForCausalLM(cfg).to(device)
 
@@ -144,7 +148,7 @@ def bench_training(shape: str, batch: int, seq: int, reps: int, device: str,
     pre-proj + skip. Each comparison holds only its own two models, timed interleaved, so that neither runs on a
     busier machine. In bf16 ours holds its frozen matrices in bf16 (as train.py); transformers runs under autocast."""
     hf_full = hf_model(shape, device)
-    x = torch.randint(0, SHAPES[shape][0], (batch, seq + 1), device=device)
+    x = torch.randint(0, SHAPES[shape]["vocab_size"], (batch, seq + 1), device=device)
     tokens, rows = batch * seq, []
     for dtype, mode in [(dtype, mode) for dtype in dtypes for mode in ("full", "probe")]:
         ours = ours_from_hf(hf_full, device, preproj=mode == "probe", skip=mode == "probe")
@@ -201,8 +205,7 @@ MODES = {"probe": (True, True), "full": (True, False), "base full": (False, Fals
 
 def shape_config(shape: str, switches: bool = False) -> GPTConfig:
     """A SHAPES entry as a config, with pre-proj + skip on or off."""
-    vocab, d, layers, heads = SHAPES[shape]
-    return GPTConfig(vocab_size=vocab, n_layer=layers, n_head=heads, n_embd=d, preproj=switches, skip=switches)
+    return GPTConfig(**SHAPES[shape], preproj=switches, skip=switches)
 
 
 def measure_mode(shape: str, mode: str, batch: int, seq: int, reps: int, device: str) -> dict:
@@ -352,7 +355,7 @@ def bench_precision(steps: list, seq: int, reps: int, device: str) -> list[dict]
             fp32.freeze_base()
         held = copy.deepcopy(fp32)
         hold_matrices_in(held, bf16)
-        x = torch.randint(0, SHAPES[shape][0], (batch, seq + 1), device=device)
+        x = torch.randint(0, SHAPES[shape]["vocab_size"], (batch, seq + 1), device=device)
         fns = {"fp32": step_fn(fp32, False, x), "bf16": step_fn(held, False, x, bf16)}
         if probe:
             fns["autocast"] = step_fn(copy.deepcopy(fp32), False, x, bf16)

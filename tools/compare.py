@@ -2,8 +2,8 @@
 Two evaluations of the same items, compared item by item: for each task and metric, the difference B - A with a
 paired bootstrap 95% interval and, for accuracies, McNemar's exact two-sided p-value.
 
-    python compare.py out/base/eval.json out/probe/eval.json         # their .items.jsonl files, found beside them
-    python compare.py A.items.jsonl B.items.jsonl --resamples 10000 --seed 1234 --out compare.json
+    python -m tools.compare out/base/eval.json out/probe/eval.json     # their .items.jsonl files, found beside them
+    python -m tools.compare A.items.jsonl B.items.jsonl --resamples 10000 --seed 1234 --out compare.json
 
 The interval is the 2.5th to 97.5th percentile of B - A over --resamples draws of the items with replacement,
 the same items for A and B, from a generator seeded with --seed: rerunning gives the same interval. An interval

@@ -2,7 +2,8 @@
 EleutherAI's lm-evaluation-harness (0.4.x) on any of our models: every task it knows (PIQA, Winogrande,
 ARC-Challenge, MMLU, ...) for anything `--init_from` accepts, probe checkpoints included.
 
-    python eval_lambada.py --init_from out/run --harness piqa,winogrande --limit 200
+    python -m tools.harness --init_from out/run --tasks piqa,winogrande --limit 200
+    python -m tools.harness --init_from out/run --tasks arc_easy_local --include_path tasks   # local task YAMLs
 
     import lm_eval
     from tools.harness import HarnessLM
@@ -11,26 +12,37 @@ ARC-Challenge, MMLU, ...) for anything `--init_from` accepts, probe checkpoints 
 
 HarnessLM is a thin adapter: log-likelihoods go through our one scorer (evaluation.score_pairs, with the same
 tokenisation as our own tasks), generation through GPT.generate with its K/V cache. The harness is an optional
-dependency; this module is imported only when it is asked for.
+dependency: without it this module still imports, and the command stops with one line saying how to install it.
 """
 
+import argparse
 from collections import Counter
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from lab.checkpoint import load_model
+from data.sources import DataError
+from lab.checkpoint import CheckpointError, load_model, save_run_file
+from lab.cli import ArgumentParser, add_model_args, name_list, out_file, positive_int, results_table, switches_of
 from lab.evaluation import encode, encode_pair, eot_id, rolling_windows, score_pairs
-from model import GPT
+from lab.precision import dtype_name, for_inference, resolve_dtype
+from model import GPT, SWITCHES
 
 try:
     from lm_eval.api.model import LM
-except ImportError as e:
-    raise ImportError("lm-evaluation-harness is not installed; install it with `pip install lm-eval` "
-                      "(version 0.4.x)") from e
+except ImportError:  # optional: HarnessLM cannot be made without it, and the command says how to install it
+    LM = None
+
+NOT_INSTALLED = "lm-evaluation-harness is not installed; install it with `pip install lm-eval` (version 0.4.x)"
 
 
-class HarnessLM(LM):
+def require_lm_eval() -> None:
+    if LM is None:
+        raise ImportError(NOT_INSTALLED)
+
+
+class HarnessLM(LM or object):
     """One of our models as an lm-eval model: `lm_eval.simple_evaluate(model=HarnessLM(model, tokenizer), ...)`.
 
     Requests are scored as lm-eval's own Hugging Face model (HFLM) scores them: the same (context, continuation)
@@ -39,6 +51,7 @@ class HarnessLM(LM):
     """
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, batch_size: int = 32, max_gen_toks: int = 256):
+        require_lm_eval()
         super().__init__()
         self.model, self.tokenizer = model.eval(), tokenizer
         self.batch_size, self.max_gen_toks = batch_size, max_gen_toks
@@ -112,7 +125,7 @@ class HarnessLM(LM):
 def task_manager(tasks: list[str], include_path: str | None = None):
     """An lm-eval TaskManager that knows every requested task; ValueError naming the first unknown one.
 
-    Tasks all found in include_path load without indexing lm-eval's own ~15,000 task files (about 10 s).
+    Tasks all found in include_path load without indexing lm-eval's own task files, the slow part of a TaskManager.
     """
     from lm_eval.tasks import TaskManager
 
@@ -124,13 +137,14 @@ def task_manager(tasks: list[str], include_path: str | None = None):
     unknown = [t for t in tasks if not manager.match_tasks([t])]
     if unknown:
         raise ValueError(f"lm-eval knows no task {unknown[0]!r}; `lm-eval ls tasks` lists them, and "
-                         f"--harness_include adds a folder of task YAML files")
+                         f"--include_path adds a folder of task YAML files")
     return manager
 
 
-def evaluate(lm: HarnessLM, tasks: list[str], manager=None, limit: int | None = None, **kwargs) -> dict:
+def run_harness(lm: HarnessLM, tasks: list[str], manager=None, limit: int | None = None, **kwargs) -> dict:
     """Run lm-eval tasks through the adapter: {task: {"metrics": {name: {"value", "stderr"}}, "n", "requests",
-    "truncated", "n_shot", "version"}}, the layout of evaluation.evaluate, so one table printer shows both.
+    "truncated", "n_shot", "version"}}, the layout of evaluation.evaluate, so one table printer (cli.results_table)
+    shows both.
 
     Metric names are lm-eval's; a filter other than "none" is kept in the name (e.g. "exact_match,strict-match").
     Extra keyword arguments go to lm_eval.simple_evaluate (num_fewshot, gen_kwargs, ...).
@@ -144,7 +158,7 @@ def evaluate(lm: HarnessLM, tasks: list[str], manager=None, limit: int | None = 
                               log_samples=False, **kwargs)
     except ConnectionError as e:  # most tasks read their data from the Hugging Face Hub
         raise ValueError(f"{e}; offline, write a task YAML that reads local files and pass its folder with "
-                         f"--harness_include (docs/harness.md)") from e
+                         f"--include_path (docs/harness.md)") from e
     results = {}
     for task, raw in out["results"].items():
         metrics = {}
@@ -159,3 +173,43 @@ def evaluate(lm: HarnessLM, tasks: list[str], manager=None, limit: int | None = 
                          "requests": lm.requests[task], "truncated": lm.truncated[task],
                          "n_shot": out["n-shot"].get(task), "version": out["versions"].get(task)}
     return results
+
+
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--tasks", type=name_list, required=True,
+                   help="comma-separated lm-evaluation-harness task (or group) names, e.g. piqa,winogrande")
+    p.add_argument("--include_path", default=None, help="a folder of extra lm-eval task YAML files")
+    p.add_argument("--limit", type=positive_int, default=None, help="score only the first N items of each task")
+    p.add_argument("--batch_size", type=positive_int, default=32)
+    p.add_argument("--out", type=out_file, default="harness.json", help="where to write the JSON summary")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = get_args(argv)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    try:
+        require_lm_eval()
+        manager = task_manager(tasks, args.include_path)  # the names are checked before a large model loads
+        model, tokenizer, base_ref = load_model(args.init_from, **switches_of(args), mirror=args.mirror)
+        dtype = resolve_dtype(args.dtype, args.device)
+        args.dtype = dtype_name(dtype)  # recorded as used, not as asked ('auto')
+        print(f"evaluating {args.init_from} in {args.dtype} on {args.device} (lm-evaluation-harness)")
+        with for_inference(model, args.device, dtype):
+            results = run_harness(HarnessLM(model, tokenizer, args.batch_size), tasks, manager, args.limit)
+        print(results_table(results))
+        config = {k: getattr(args, k) for k in ("init_from", *SWITCHES, "device", "dtype", "limit", "batch_size",
+                                                 "mirror", "include_path")}
+        report = {"config": {**config, "tasks": tasks, "base": base_ref}, "results": results}
+        out = Path(args.out)
+        save_run_file(out.parent, out.name, report)
+    except (CheckpointError, DataError, ValueError, ImportError) as e:  # DataError: the results could not be written
+        raise SystemExit(f"error: {e}")
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
