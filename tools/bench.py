@@ -45,6 +45,7 @@ from data.sources import DataError
 from lab.checkpoint import ROOT, CheckpointError
 from lab.cli import ArgumentParser, device, explicit_flags, format_table, keep_freed_memory, positive_int
 from lab.evaluation import encode_pair, score_pairs
+from lab.loss import training_loss
 from lab.precision import DTYPES, autocast, dtype_name, for_inference, hold_matrices_in
 from lab.recipes import NANO_SHAPE
 from load_pythia import load_pythia
@@ -116,7 +117,7 @@ def step_fn(model, hf: bool, x: torch.Tensor, dtype: torch.dtype = torch.float32
 
     def step():
         with ctx:
-            loss = model(input_ids=x, labels=x).loss if hf else model(x[:, :-1], x[:, 1:])[1]
+            loss = model(input_ids=x, labels=x).loss if hf else training_loss(model, x[:, :-1], x[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
