@@ -12,7 +12,8 @@ by lab.recipes.STUDY_BASE) x settings (SETTINGS: `ood`, State of the Union speec
 `indist`, the first chapters of the book held out of their pre-training) x methods (METHODS) x seeds. Each trained
 run is train.py into its own folder, then in-process its held-out losses (and, for the probes, the share of new
 weights that moved at all), then eval_lambada.py for the benchmarks (eval-<tasks>.json + .items.jsonl). Every stage
-is skipped when its file exists, and an interrupted training resumes from its checkpoint.
+is skipped when its file exists, and an interrupted training resumes from its checkpoint. A training that diverges
+(train.py's exit status lab.run_folder.EXIT_DIVERGED) is recorded in diverged.json and counts as an infinite loss.
 
 Learning rates: each method's own grid (PROBE_LRS, FULL_LRS) trained at the first seed and scored on the setting's
 search split (sotu_search or books_search), which no reported number uses; the other seeds train at the lr with
@@ -36,6 +37,7 @@ from lab.checkpoint import NANO_DIR, ROOT, CheckpointError, load_model, read_che
 from lab.evaluation import TASKS, val_loss
 from lab.precision import for_inference, resolve_dtype
 from lab.recipes import STUDY_BASE, flags
+from lab.run_folder import EXIT_DIVERGED
 from model import SWITCHES
 from study.design import (
     BASES,
@@ -124,7 +126,8 @@ def train_argv(job: Job, init_from: str, d: int, args) -> list[str]:
 
 def train_job(job: Job, init_from: str, d: int, args) -> bool:
     """Train one run unless it is finished (train.py's eval.json) or diverged; resume it when it has a
-    checkpoint. False when it diverged (its loss went non-finite: a learning rate too high)."""
+    checkpoint. False when it diverged: train.py exited with EXIT_DIVERGED (its loss, or its weights at a
+    checkpoint, became non-finite: a learning rate too high), recorded in diverged.json with train.py's error."""
     folder = job.folder(args.out)
     if (folder / "diverged.json").is_file():
         return False
@@ -148,7 +151,7 @@ def train_job(job: Job, init_from: str, d: int, args) -> bool:
             timing = read_json(folder / "timing.json")
             save_run_file(folder, "timing.json", {"train_seconds": timing.get("train_seconds", 0) + time.time() - t0,
                                                   "invocations": timing.get("invocations", 0) + 1})
-    if rc and "the loss became" in last_error(folder / "log.txt"):
+    if rc == EXIT_DIVERGED:
         error = last_error(folder / "log.txt")
         save_run_file(folder, "diverged.json", {"error": error})
         print(f"  diverged: {error}")

@@ -141,6 +141,28 @@ def test_search_picks_the_lowest_search_loss_and_skips_finished_runs(tmp_path, m
     assert grid.search("b", "base", 32, "indist", "preproj_skip_bf16", args, {}) == 0.003
 
 
+# --- a diverged training is recorded, whichever way it diverged: the grid reads train.py's exit status ---
+
+@pytest.mark.parametrize("steps, lr, message", [
+    # one step at lr 1e39 overflows the new weights; the checkpoint after the last step refuses them (save_checked)
+    (1, 1e39, "the weights after step 1 hold non-finite values"),
+    # one step at lr 1e19 leaves them finite but huge; the second step's loss is not
+    (2, 1e19, "the loss became nan at step 2"),
+])
+def test_a_diverged_training_is_recorded_not_fatal(micro_base, tmp_path, capsys, steps, lr, message):
+    args = SimpleNamespace(out=tmp_path, steps=steps, batch_size=2, seq_len=32, heldout_tokens=512, dry_run=False,
+                           device=None, dtype="float32", mirror=None)
+    job = design.Job("micro", "indist", "preproj_skip", lr, 42)
+    assert grid.train_job(job, micro_base, 32, args) is False
+    folder = job.folder(tmp_path)
+    error = json.loads((folder / "diverged.json").read_text())["error"]
+    assert error.startswith(f"error: {message}; stopped without saving it"), error
+    assert not (folder / "ckpt.pt").exists() and not (folder / "eval.json").exists()
+    assert f"diverged: error: {message}" in capsys.readouterr().out
+    assert grid.train_job(job, micro_base, 32, args) is False  # recorded: not trained again
+    assert "[train]" not in capsys.readouterr().out
+
+
 # --- the share of weights that moved: initial values drawn again exactly; bf16 loses small updates ---
 
 def test_moved_shares(micro_base, tmp_path):
