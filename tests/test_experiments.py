@@ -1,10 +1,13 @@
-"""The experiment (experiments.py): the capacity control, the held-out parts of the corpus, the size rules, the
-learning-rate search, the share of weights that moved, the pooled paired statistics, and the grid end to end on a
-tiny random Pythia-shaped folder, resumed without retraining, then its tables."""
+"""The study (study/design.py, study/grid.py, study/report.py): the capacity control, the held-out parts of the
+corpus, the size rules, the learning-rate search, a diverged training recorded by either of train.py's divergence
+paths, the share of weights that moved, the pooled paired statistics, the figure links of RESULTS.md, and the grid
+end to end on a tiny random Pythia-shaped folder, resumed without retraining, then its report."""
 
 import json
 import os
+import re
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,11 +15,11 @@ import pytest
 import torch
 
 from conftest import MICRO, make_hf_model, run
-from lab.checkpoint import load_model, read_checkpoint, run_name
+from lab.checkpoint import ROOT, load_model, read_checkpoint, run_name
 from lab.evaluation import item_record
 from load_pythia import hf_state_dict
 from model import GPT, GPTConfig
-from study import grid as experiments
+from study import design, grid, report
 
 # --- the size rules scale the paper's choices; at Pythia's widths they give the paper's own numbers ---
 
@@ -26,8 +29,8 @@ def test_capacity_and_matched_lora_have_pre_proj_plus_skips_parameters(d):
     shape = dict(vocab_size=64, n_layer=2, n_head=1, n_embd=d)
     with torch.device("meta"):
         target = GPT(GPTConfig(**shape, preproj=True, skip=True)).num_params("new")
-        capacity = GPT(GPTConfig(**shape, adapter_dim=experiments.capacity_dim(d))).num_params("new")
-        lora = GPT(GPTConfig(**shape, lora_rank=experiments.matched_rank(d))).num_params("new")
+        capacity = GPT(GPTConfig(**shape, adapter_dim=design.capacity_dim(d))).num_params("new")
+        lora = GPT(GPTConfig(**shape, lora_rank=design.matched_rank(d))).num_params("new")
     assert target == 2 * (2 * d * int(1.25 * d) + d * d)  # PAPER.md's count per layer
     assert abs(capacity - target) <= 0.01 * target
     assert abs(lora - target) <= 0.01 * target
@@ -35,11 +38,11 @@ def test_capacity_and_matched_lora_have_pre_proj_plus_skips_parameters(d):
 
 def test_paper_ranks_at_pythia_widths():
     """The paper's LoRA r = 480 / 640 and pre-proj + LoRA r = 64 at 160M / 410M: 26.5M / 94.4M and 21.2M (PAPER.md)."""
-    assert experiments.paper_rank(768) == 480 and experiments.paper_rank(1024) == 640
-    lora_160m = 12 * 6 * 768 * experiments.paper_rank(768)
-    lora_410m = 24 * 6 * 1024 * experiments.paper_rank(1024)
+    assert design.paper_rank(768) == 480 and design.paper_rank(1024) == 640
+    lora_160m = 12 * 6 * 768 * design.paper_rank(768)
+    lora_410m = 24 * 6 * 1024 * design.paper_rank(1024)
     assert (round(lora_160m / 1e6, 1), round(lora_410m / 1e6, 1)) == (26.5, 94.4)
-    flags = experiments.METHODS["preproj_lora"].flags(768)
+    flags = design.METHODS["preproj_lora"].flags(768)
     assert flags == ["--preproj", "--lora_rank", "64"]
 
 
@@ -60,7 +63,7 @@ def test_capacity_control_starts_near_the_base_and_leaves_attentions_input_alone
     x = torch.randint(0, 8192, (2, 32))
     base_logits, base_in0 = attention_inputs(base.eval(), x)[:2]
     outputs = {}
-    for name, switches in (("capacity", dict(adapter_dim=experiments.capacity_dim(32))),
+    for name, switches in (("capacity", dict(adapter_dim=design.capacity_dim(32))),
                            ("preproj", dict(preproj=True))):
         model, _, _ = load_model(micro_base, **switches)
         outputs[name] = attention_inputs(model.eval(), x)
@@ -118,24 +121,46 @@ def test_search_picks_the_lowest_search_loss_and_skips_finished_runs(tmp_path, m
                            dry_run=False, seq_len=32, batch_size=4, heldout_tokens=0, device=None, dtype=None,
                            mirror=None)
     for lr, loss in ((1e-4, 3.2), (1e-3, 2.9), (1e-2, None)):
-        folder = experiments.Job("b", "indist", "skip", lr, 42).folder(tmp_path)
+        folder = design.Job("b", "indist", "skip", lr, 42).folder(tmp_path)
         folder.mkdir(parents=True)
         if loss is None:  # this one diverged
             (folder / "diverged.json").write_text("{}")
         else:
             (folder / "eval.json").write_text("{}")
             (folder / "measures.json").write_text(json.dumps({"books_search": loss}))
-    monkeypatch.setattr(experiments.subprocess, "run", lambda *a, **k: pytest.fail("nothing should run"))
-    assert experiments.search("b", "base", 32, "indist", "skip", args, {}) == 1e-3
+    monkeypatch.setattr(grid.subprocess, "run", lambda *a, **k: pytest.fail("nothing should run"))
+    assert grid.search("b", "base", 32, "indist", "skip", args, {}) == 1e-3
     record = json.loads((tmp_path / "b" / "indist" / "skip" / "lr_search.json").read_text())
     assert record["losses"] == {"0.0001": 3.2, "0.001": 2.9, "0.01": float("inf")}
     assert record["split"] == "books_search"
     # fixed rates need no search; the paper's precision takes pre-proj + skip's chosen rate
-    assert experiments.search("b", "base", 32, "indist", "preproj_skip_lr1e-5", args, {}) == 1e-5
-    assert experiments.search("b", "base", 32, "indist", "full_ft", args, {}) == 1e-5
+    assert grid.search("b", "base", 32, "indist", "preproj_skip_lr1e-5", args, {}) == 1e-5
+    assert grid.search("b", "base", 32, "indist", "full_ft", args, {}) == 1e-5
     (tmp_path / "b" / "indist" / "preproj_skip").mkdir()
     (tmp_path / "b" / "indist" / "preproj_skip" / "lr_search.json").write_text('{"chosen": 0.003}')
-    assert experiments.search("b", "base", 32, "indist", "preproj_skip_bf16", args, {}) == 0.003
+    assert grid.search("b", "base", 32, "indist", "preproj_skip_bf16", args, {}) == 0.003
+
+
+# --- a diverged training is recorded, whichever way it diverged: the grid reads train.py's exit status ---
+
+@pytest.mark.parametrize("steps, lr, message", [
+    # one step at lr 1e39 overflows the new weights; the checkpoint after the last step refuses them (save_checked)
+    (1, 1e39, "the weights after step 1 hold non-finite values"),
+    # one step at lr 1e19 leaves them finite but huge; the second step's loss is not
+    (2, 1e19, "the loss became nan at step 2"),
+])
+def test_a_diverged_training_is_recorded_not_fatal(micro_base, tmp_path, capsys, steps, lr, message):
+    args = SimpleNamespace(out=tmp_path, steps=steps, batch_size=2, seq_len=32, heldout_tokens=512, dry_run=False,
+                           device=None, dtype="float32", mirror=None)
+    job = design.Job("micro", "indist", "preproj_skip", lr, 42)
+    assert grid.train_job(job, micro_base, 32, args) is False
+    folder = job.folder(tmp_path)
+    error = json.loads((folder / "diverged.json").read_text())["error"]
+    assert error.startswith(f"error: {message}; stopped without saving it"), error
+    assert not (folder / "ckpt.pt").exists() and not (folder / "eval.json").exists()
+    assert f"diverged: error: {message}" in capsys.readouterr().out
+    assert grid.train_job(job, micro_base, 32, args) is False  # recorded: not trained again
+    assert "[train]" not in capsys.readouterr().out
 
 
 # --- the share of weights that moved: initial values drawn again exactly; bf16 loses small updates ---
@@ -144,10 +169,10 @@ def test_moved_shares(micro_base, tmp_path):
     args = SimpleNamespace(mirror=None)
     common = f"--init_from {micro_base} --preproj --skip {MICRO} --max_iters 2 --warmup_iters 1 --eval_tokens 64"
     run(f"{common} --lr 1e-30 --min_lr 0 --out_dir {tmp_path / 'still'}")
-    assert experiments.moved_shares(tmp_path / "still", args) == {"w_up": 0.0, "w_down": 0.0, "w_skip": 0.0}
+    assert grid.moved_shares(tmp_path / "still", args) == {"w_up": 0.0, "w_down": 0.0, "w_skip": 0.0}
     run(f"{common} --lr 1e-5 --min_lr 1e-5 --out_dir {tmp_path / 'fp32'}")
     run(f"{common} --lr 1e-5 --min_lr 1e-5 --pure_bf16 --out_dir {tmp_path / 'bf16'}")
-    fp32, bf16 = (experiments.moved_shares(tmp_path / k, args) for k in ("fp32", "bf16"))
+    fp32, bf16 = (grid.moved_shares(tmp_path / k, args) for k in ("fp32", "bf16"))
     assert min(fp32.values()) > 0.95  # fp32 masters keep every update of ~1e-5
     # in bf16 an update of 1e-5 is below half a step for entries of N(0, 0.01) beyond ~0.003; W_skip (1e-4) moves
     assert bf16["w_up"] < 0.5 and bf16["w_down"] < 0.5 and bf16["w_skip"] > 0.95
@@ -158,20 +183,36 @@ def test_moved_shares(micro_base, tmp_path):
 def fake_run(folder, correct: list[bool]):
     records = [item_record("arc_easy", "lm-eval", i, -1.0, 1, False, c, correct_norm=c, gold=0)
                for i, c in enumerate(correct)]
-    return experiments.Run(folder, {}, records, {"trainable": 0}, 0.0)
+    return report.RunRecord(folder, {}, records, {"trainable": 0}, 0.0)
 
 
 def test_comparisons_pool_seeds_per_item():
     n = 20
     methods = {"baseline": (None, [fake_run("b", [False] * n)]),
                "skip": (1e-3, [fake_run("s1", [True] * 10 + [False] * 10), fake_run("s2", [True] * 5 + [False] * 15)])}
-    found = experiments.comparisons(methods, resamples=2000)
+    found = report.comparisons(methods, resamples=2000)
     diff, low, high = found[("baseline", "skip", "arc_easy/acc_norm")]
     assert diff == pytest.approx((10 + 5) / 2 / n)  # the seed-averaged accuracy, 0.375, against 0
     assert 0 < low < diff < high
     methods["skip"][1][1].records.pop()  # one seed scored fewer items: refused, not silently paired
     with pytest.raises(ValueError, match="different items"):
-        experiments.comparisons(methods, resamples=200)
+        report.comparisons(methods, resamples=200)
+
+
+# --- RESULTS.md: its figures where its links say, relative to it, as the report writes them ---
+
+def figure_links(results: Path) -> list[str]:
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", results.read_text())
+    missing = [link for link in links if not (results.parent / link).is_file()]
+    assert links and not missing, missing
+    return links
+
+
+def test_the_studys_results_link_its_figures_and_keep_their_reading():
+    results = ROOT / "study" / "RESULTS.md"
+    assert all(link.startswith("figures/") for link in figure_links(results))
+    reading = report.kept_reading(results)
+    assert reading.startswith(report.READING[0]) and "**What was run.**" in reading and reading in results.read_text()
 
 
 # --- the grid end to end on a tiny Pythia-shaped folder ---
@@ -185,7 +226,7 @@ def tiny_pythia(tmp_path_factory, mirror):
 
 
 def test_dry_run_lists_every_method_and_runs_nothing(tiny_pythia, tmp_path, capsys):
-    experiments.main(["--dry_run", "--bases", f"tiny={tiny_pythia}", "--out", str(tmp_path / "grid")])
+    grid.main(["--dry_run", "--bases", f"tiny={tiny_pythia}", "--out", str(tmp_path / "grid")])
     out = capsys.readouterr().out
     assert not (tmp_path / "grid").exists()
     for flags in ("--preproj --skip --data corpus", "--preproj --skip --data books", "--skip --data",
@@ -203,18 +244,18 @@ def test_grid_runs_resumes_without_retraining_and_builds_the_tables(tiny_pythia,
     argv = ["--bases", f"tiny={tiny_pythia}", "--only", "baseline,preproj_skip", "--seeds", "1", "--steps", "2",
             "--lrs", "1e-3", "--tasks", "lambada,arc_easy", "--limit", "4", "--seq_len", "32",
             "--batch_size", "2", "--heldout_tokens", "512", "--out", str(out), "--dtype", "float32"]
-    experiments.main(argv)
-    ckpts = {s: out / "tiny" / s / "preproj_skip" / "lr0.001-s42" / "ckpt.pt" for s in experiments.SETTINGS}
+    grid.main(argv)
+    ckpts = {s: out / "tiny" / s / "preproj_skip" / "lr0.001-s42" / "ckpt.pt" for s in design.SETTINGS}
     mtimes = {s: os.stat(p).st_mtime_ns for s, p in ckpts.items()}
     capsys.readouterr()
-    experiments.main(argv)  # everything is finished: nothing trains or evaluates again
+    grid.main(argv)  # everything is finished: nothing trains or evaluates again
     again = capsys.readouterr().out
     assert "[train]" not in again and "[eval]" not in again and "[measure]" not in again
     assert {s: os.stat(p).st_mtime_ns for s, p in ckpts.items()} == mtimes
-    experiments.main(["--table", "--out", str(out), "--results", str(results), "--resamples", "500",
+    report.main(["--out", str(out), "--results", str(results), "--resamples", "500",
                       "--layer_tokens", "256", "--seq_len", "32"])
     text = results.read_text()
-    for setting in experiments.SETTINGS.values():
+    for setting in design.SETTINGS.values():
         assert f"## tiny: {setting.label}" in text
     assert "| method | lr | trainable | train s | loss SOTU |" in text
     assert "| pre-proj + skip | 0.001 | 28,672 |" in text
@@ -222,10 +263,12 @@ def test_grid_runs_resumes_without_retraining_and_builds_the_tables(tiny_pythia,
     figures = results.parent / "figures"
     assert (figures / "delta_lambada_acc.png").stat().st_size > 1000
     assert (figures / "layers" / "layers.png").is_file()
+    charts = sorted(f"figures/{p.name}" for p in figures.glob("delta_*.png"))
+    assert sorted(figure_links(results)) == [*charts, "figures/layers/layers.png"]  # linked relative to RESULTS.md
     measures = json.loads((ckpts["indist"].parent / "measures.json").read_text())
-    assert set(experiments.TEST_SPLITS) <= set(measures) and measures["trainable"] == 28_672
+    assert set(design.TEST_SPLITS) <= set(measures) and measures["trainable"] == 28_672
     results.write_text(text.replace("(To be written", "We read: nothing yet (to be written"))
-    experiments.main(["--table", "--out", str(out), "--results", str(results), "--resamples", "500",
+    report.main(["--out", str(out), "--results", str(results), "--resamples", "500",
                       "--layer_tokens", "256", "--seq_len", "32"])
     assert "We read: nothing yet" in results.read_text()  # the hand-written reading survives a rebuild
     assert np.isfinite(measures["sotu_test"])
