@@ -15,7 +15,6 @@ it in out/nano-base.
 
 import argparse
 import math
-import os
 import sys
 import time
 from contextlib import nullcontext
@@ -29,7 +28,7 @@ import torch.distributed as dist
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from data import prepare
+from data import batches, prepare
 from data.sources import DataError
 from lab import checkpoint, cli, run_folder, run_report
 from lab.checkpoint import CheckpointError
@@ -169,9 +168,8 @@ class Run:
 def train(args: argparse.Namespace) -> tuple[GPT, dict]:
     """Run one training job; returns the model and the final metrics (empty when it stops early). Bad input stops
     it with a one-line SystemExit before anything is written."""
-    check_benchmarks(args)
-    rank, world, device = setup_distributed(args.device)
-    check_batch(args, world)
+    rank, world, device = cli.setup_distributed(args.device)
+    check_request(args, world)
     out_dir = run_dir(args)
     run_folder.refuse_existing_run(out_dir, args.resume)
     torch.manual_seed(args.seed)
@@ -181,7 +179,7 @@ def train(args: argparse.Namespace) -> tuple[GPT, dict]:
         check_probe(model)
         model.freeze_base()  # the frozen probe: from here on only the new parameters learn
     s = resolve_settings(args, model.config.block_size, device)
-    train_data, vals = load_data(s, tokenizer)
+    train_data, vals = batches.load_data(s.init_from, s.data, s.seq_len, tokenizer, s.mirror)
     check_lengths(s, model, vals)
     put_on_device(s, model, base_model, device)
     optimizer = make_optimizer(model, s)
@@ -219,7 +217,7 @@ def train_loop(run: Run, log: TextIO | None) -> None:
             lr = lr_at(run.step, s)
             for group in opt.param_groups:
                 group["lr"] = lr
-            x, y = global_batch(run.train_data, run.step, s.batch_size, s.seq_len, s.seed)
+            x, y = batches.global_batch(run.train_data, run.step, s.batch_size, s.seq_len, s.seed)
             x, y = (t[run.rank * rows:(run.rank + 1) * rows].to(run.device) for t in (x, y))
             loss = accumulate_gradients(run, x, y)
             if not math.isfinite(loss):
@@ -274,8 +272,8 @@ def save_checked(run: Run) -> None:
     if problem:
         raise diverged(f"the weights after step {run.step} {problem}", run.out_dir, run.saved_step)
     checkpoint.save_checkpoint(run.out_dir, run.model, probe=run.probe, base_ref=run.base_ref, step=run.step,
-                    optimizer_state=run.optimizer.state_dict(), extra={"train_args": vars(run.settings)},
-                    tokenizer=run.tokenizer)
+                               optimizer_state=run.optimizer.state_dict(), extra={"train_args": vars(run.settings)},
+                               tokenizer=run.tokenizer)
     run.saved_step = run.step
 
 
@@ -283,47 +281,12 @@ def save_checked(run: Run) -> None:
 def next_batch_loss(run: Run) -> float:
     """The loss of the current weights on (one micro-batch of) the next step's batch."""
     s = run.settings
-    x, y = global_batch(run.train_data, run.step, s.batch_size // run.world // s.grad_accum, s.seq_len, s.seed)
+    x, y = batches.global_batch(run.train_data, run.step, s.batch_size // run.world // s.grad_accum, s.seq_len, s.seed)
     with run.ctx:
         return training_loss(run.model, x.to(run.device), y.to(run.device)).item()
 
 
-# --- data: every batch is a pure function of (seed, step), so runs resume and split across processes exactly ---
-
-def global_batch(data, step: int, rows: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's whole batch: random windows of a token stream, or padded documents (pad label -100)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    if isinstance(data, np.ndarray):  # a stream: windows of seq_len + 1 tokens
-        starts = torch.randint(0, len(data) - seq_len - 1, (rows,), generator=g).tolist()
-        chunk = torch.stack([torch.from_numpy(data[s:s + seq_len + 1].astype(np.int64)) for s in starts])
-        return chunk[:, :-1], chunk[:, 1:]
-    # documents, visited in a fresh random order each epoch (the paper's padded lines)
-    order = []
-    epoch = (step * rows) // len(data)
-    while len(order) < (step * rows) % len(data) + rows:
-        order += torch.randperm(len(data), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        epoch += 1
-    first = (step * rows) % len(data)
-    docs = [data[i] for i in order[first:first + rows]]
-    x = torch.zeros(rows, seq_len, dtype=torch.long)
-    y = torch.full((rows, seq_len), -100, dtype=torch.long)
-    for r, d in enumerate(docs):
-        d = torch.from_numpy(d[:seq_len + 1])
-        x[r, :len(d) - 1], y[r, :len(d) - 1] = d[:-1], d[1:]
-    return x, y
-
-
-def load_data(s: Settings, tokenizer: Tokenizer) -> tuple[object, dict[str, np.ndarray]]:
-    """(training data, {validation name: token stream}) for this run."""
-    if s.init_from == "scratch":
-        return prepare.load_nano_split("pretrain"), {"val_books": prepare.load_nano_split("val_books")}
-    data = prepare.probe_data(s.data, s.init_from, tokenizer)
-    train_split, heldout = prepare.PROBE_SPLITS.get(data, prepare.PROBE_SPLITS["corpus"])
-    vals = {name: prepare.split_tokens(name, tokenizer, s.mirror) for name in heldout}
-    if data == "wikitext103":
-        return prepare.wikitext103_probe_lines(tokenizer, max_tokens=s.seq_len), vals
-    return prepare.split_tokens(train_split, tokenizer, s.mirror), vals
-
+# --- the schedule ---
 
 def lr_at(step: int, s: Settings) -> float:
     """Linear warm-up, then cosine decay from lr to min_lr at max_iters."""
@@ -334,19 +297,6 @@ def lr_at(step: int, s: Settings) -> float:
 
 
 # --- building: the model, where and in which precision it runs, its optimizer ---
-
-def setup_distributed(device: str) -> tuple[int, int, str]:
-    """(rank, world size, device); torchrun sets RANK/WORLD_SIZE. gloo on CPU, nccl on CUDA."""
-    if "RANK" not in os.environ:
-        return 0, 1, device
-    cuda = device.startswith("cuda")
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if cuda else "gloo")
-    if cuda:
-        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-        torch.cuda.set_device(device)
-    return dist.get_rank(), dist.get_world_size(), device
-
 
 def build_model(args: argparse.Namespace) -> tuple[GPT, Tokenizer, dict | None, GPT | None]:
     """(the model with its switches, its tokenizer, the base reference, the untouched base for comparison)."""
@@ -406,16 +356,14 @@ def restore(s: Settings, out_dir: Path, model: GPT, optimizer: torch.optim.Optim
 
 # --- checks before anything is written ---
 
-def check_benchmarks(args: argparse.Namespace) -> None:
-    """The end-of-run benchmarks exist and their data files read well, checked before training rather than after."""
+def check_request(args: argparse.Namespace, world: int) -> None:
+    """The end-of-run benchmarks exist and their data files read well (checked before training, not after), and
+    the batch divides into the processes and micro-batches."""
     tasks = run_report.benchmark_settings(args)["tasks"]
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise SystemExit(f"error: unknown --eval_tasks entry {unknown[0]!r}; choose from {', '.join(TASKS)} or none")
     check_data(tasks, args.mirror)
-
-
-def check_batch(args: argparse.Namespace, world: int) -> None:
     if args.batch_size % (world * args.grad_accum):
         raise SystemExit(f"error: --batch_size {args.batch_size} must divide into {world} processes x "
                          f"{args.grad_accum} micro-batches")

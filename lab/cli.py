@@ -6,11 +6,13 @@ Library code never imports argparse; scripts turn their flags into plain argumen
 import argparse
 import ctypes
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from lab.precision import DTYPES
 from model import SWITCHES
@@ -196,3 +198,16 @@ def keep_freed_memory() -> bool:
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
     return bool(mallopt) and mallopt(m_mmap_threshold, 2**30) == 1 and mallopt(m_trim_threshold, 2**30) == 1
+
+
+def setup_distributed(device: str) -> tuple[int, int, str]:
+    """(rank, world size, device); torchrun sets RANK/WORLD_SIZE. gloo on CPU, nccl on CUDA."""
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    cuda = device.startswith("cuda")
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    if cuda:
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device

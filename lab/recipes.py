@@ -25,5 +25,7 @@ def flags(recipe: dict) -> list[str]:
     """A recipe as train.py's command line: ["--n_layer", "6", ...]; a True switch is its bare flag."""
     argv = []
     for name, value in recipe.items():
+        if value is False:  # an off switch has no flag of its own: it is left out
+            raise ValueError(f"recipe setting {name}=False: leave switches that are off out of a recipe")
         argv += [f"--{name}"] if value is True else [f"--{name}", str(value)]
     return argv

@@ -18,10 +18,10 @@ from tokenizers import Tokenizer
 
 import eval_lambada
 from data import benchmarks, sources
+from data.batches import global_batch
 from data.prepare import probe_lines
 from data.sources import DataError
 from lab import evaluation as ev
-from train import global_batch
 
 V = 50304  # Pythia's padded vocabulary
 

@@ -1,0 +1,49 @@
+"""
+What a training step reads: a run's training data and validation streams, and each step's batch.
+
+Every batch is a pure function of (seed, step), so that a run resumes exactly and splits across processes exactly:
+each process takes its rows of the same global batch.
+"""
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from data import prepare
+
+
+def load_data(init_from: str, data: str, seq_len: int, tokenizer: Tokenizer,
+              mirror: str | None = None) -> tuple[np.ndarray | list[np.ndarray], dict[str, np.ndarray]]:
+    """(training data, {validation name: token stream}) of a run: pre-training reads the corpus's pre-training
+    split; a probe reads the text --data names (prepare.probe_data), as a stream or as documents."""
+    if init_from == "scratch":
+        return prepare.load_nano_split("pretrain"), {"val_books": prepare.load_nano_split("val_books")}
+    data = prepare.probe_data(data, init_from, tokenizer)
+    train_split, heldout = prepare.PROBE_SPLITS.get(data, prepare.PROBE_SPLITS["corpus"])
+    vals = {name: prepare.split_tokens(name, tokenizer, mirror) for name in heldout}
+    if data == "wikitext103":
+        return prepare.wikitext103_probe_lines(tokenizer, max_tokens=seq_len), vals
+    return prepare.split_tokens(train_split, tokenizer, mirror), vals
+
+
+def global_batch(data, step: int, rows: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's whole batch: random windows of a token stream, or padded documents (pad label -100)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    if isinstance(data, np.ndarray):  # a stream: windows of seq_len + 1 tokens
+        starts = torch.randint(0, len(data) - seq_len - 1, (rows,), generator=g).tolist()
+        chunk = torch.stack([torch.from_numpy(data[s:s + seq_len + 1].astype(np.int64)) for s in starts])
+        return chunk[:, :-1], chunk[:, 1:]
+    # documents, visited in a fresh random order each epoch (the paper's padded lines)
+    order = []
+    epoch = (step * rows) // len(data)
+    while len(order) < (step * rows) % len(data) + rows:
+        order += torch.randperm(len(data), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        epoch += 1
+    first = (step * rows) % len(data)
+    docs = [data[i] for i in order[first:first + rows]]
+    x = torch.zeros(rows, seq_len, dtype=torch.long)
+    y = torch.full((rows, seq_len), -100, dtype=torch.long)
+    for r, d in enumerate(docs):
+        d = torch.from_numpy(d[:seq_len + 1])
+        x[r, :len(d) - 1], y[r, :len(d) - 1] = d[:-1], d[1:]
+    return x, y
