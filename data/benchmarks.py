@@ -9,7 +9,7 @@ EleutherAI's lm-evaluation-harness prepares them, so that our numbers compare wi
   ARC-Easy   arc/ARC-Easy-Test.jsonl         AI2's test split, 2,376 questions (lm-eval's `arc_easy`)
              arc/ARC-Easy-Dev.jsonl          AI2's validation split, 570 questions (the paper's)
 
-Each reader returns plain Python data; scoring lives in evaluation.py.
+Each reader returns plain Python data; scoring lives in lab/evaluation.py.
 """
 
 import io

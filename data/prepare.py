@@ -12,7 +12,7 @@ Splits (no document is in two of them):
   val_books  a held-out book, Chesterton's "The Man Who Was Thursday" (the base's domain)
 The tokenizer (vocab 8192, `<|endoftext|>` = 0 between documents) is trained on `pretrain` only.
 
-Parts of the held-out splits, for the experiment (experiments.py, docs/experiment.md), which needs text of each
+Parts of the held-out splits, for the experiment (study/, docs/experiment.md), which needs text of each
 domain for three uses that must not overlap: training a probe, choosing its learning rate, the reported loss.
 They are cut from `val` and `val_books` by whole documents or chapters and tokenised on demand; the four splits
 above, their cached streams and so the embedded base stay exactly as they are.

@@ -32,7 +32,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="compute precision: auto = bf16 where the device has native bf16 matrix units, else fp32 "
-                        "(see precision.py)")
+                        "(see lab/precision.py)")
     p.add_argument("--seed", type=nonneg_int, default=42)
     p.add_argument("--mirror", default=None, help="offline data mirror folder (default: $PREPROJ_MIRROR)")
 

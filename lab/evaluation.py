@@ -205,7 +205,7 @@ def item_record(task: str, protocol: str, item: int, logprob: float, tokens: int
 
 class Metric(NamedTuple):
     """A metric as transform(sum over items of num / sum over items of den). One definition gives its value, its
-    standard error and its paired bootstrap (stats.py)."""
+    standard error and its paired bootstrap (lab/stats.py)."""
     num: Callable[[dict], float]
     den: Callable[[dict], float]
     transform: Callable

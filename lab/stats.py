@@ -1,6 +1,6 @@
 """
-Paired statistics for evaluations of the same items (compare.py and experiments.py use them), and the growth over
-depth of a per-layer series (analyze_layers.py and experiments.py).
+Paired statistics for evaluations of the same items (tools/compare.py and study/ use them), and the growth over
+depth of a per-layer series (analyze_layers.py and study/).
 
 Both evaluations scored the same passages and questions, so their differences are paired: resampling items (not
 the two evaluations separately) removes the item-to-item variation both share, and for accuracies only the items
@@ -135,7 +135,7 @@ def seed_mean(runs: list[list[dict]], metric) -> tuple[np.ndarray, np.ndarray]:
     return num, den
 
 
-# --- growth over depth of a per-layer series (analyze_layers.py, experiments.py) ---
+# --- growth over depth of a per-layer series (analyze_layers.py, study/) ---
 
 def trend(values: list[float]) -> float:
     """Ours: the mean of the last quarter of layers over the mean of the first three quarters (where the paper

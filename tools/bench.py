@@ -15,7 +15,7 @@ Sections (the targets are checked in the same run, never by timed unit tests):
   4. LAMBADA documents/s: our batched scorer vs one example at a time vs the paper's per-target-token loop
   5. generation tokens/s with and without the K/V cache (first shape, random weights); K/V cache bytes with and
      without pre-proj + skip
-  6. bf16 against fp32 (precision.py): the peak matrix-product rates (their ratio is the ceiling of every bf16 /
+  6. bf16 against fp32 (lab/precision.py): the peak matrix-product rates (their ratio is the ceiling of every bf16 /
      fp32 ratio), our training step (embedded base pre-training and probe, pythia-160m probe), what holding a
      frozen base in bf16 buys over autocast's casts, the achieved FLOP rate against the peak bf16 matrix-product
      rate, causal attention (the fused kernel in bf16 vs fp32, and model.attention vs the fused kernel), and full
