@@ -211,8 +211,8 @@ def train_loop(run: Run, log: TextIO | None) -> None:
     rows = s.batch_size // run.world  # this process's share of every batch
     t0, tokens, signum = time.time(), 0, 0
     model.train()
-    with run_folder.deferred_signals() as received, tqdm(total=s.max_iters, initial=run.step, disable=not run.master,
-                                              dynamic_ncols=True) as bar:
+    bar = tqdm(total=s.max_iters, initial=run.step, disable=not run.master, dynamic_ncols=True)
+    with run_folder.deferred_signals() as received, bar:
         while run.step < s.max_iters and not (s.stop_at and run.step >= s.stop_at):
             lr = lr_at(run.step, s)
             for group in opt.param_groups:

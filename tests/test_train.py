@@ -236,3 +236,22 @@ def test_the_papers_whole_recipe_runs_on_a_tiny_pythia(tmp_path, mirror, monkeyp
     with pytest.raises(SystemExit, match="wikitext: no item .* raise --limit"):  # the first raw line is empty
         eval_lambada.main(["--init_from", str(hf_dir), "--protocol", "paper", "--tasks", "wikitext", "--limit", "1",
                            "--mirror", mirror, "--out", str(tmp_path / "none.json")])
+
+
+def test_settings_are_resolved_once_and_recorded(micro_base, tmp_path):
+    """The command line is never changed by a run: its settings are resolved once (the window for --seq_len 0, the
+    dtype for --dtype auto) into a read-only object, which the checkpoint records as train_args."""
+    from train import get_args, resolve_settings, train
+
+    args = get_args(f"--init_from {micro_base} --preproj {MICRO} --max_iters 1 --dtype auto "
+                    f"--out_dir {tmp_path / 'p'}".split())
+    given = dict(vars(args))
+    train(args)
+    assert vars(args) == given and given["seq_len"] == 0 and given["dtype"] == "auto"
+    saved = read_checkpoint(tmp_path / "p")["train_args"]
+    assert saved["seq_len"] == 32 and saved["dtype"] in ("float32", "bfloat16")
+    assert {k: v for k, v in saved.items() if k not in ("seq_len", "dtype")} == \
+        {k: v for k, v in given.items() if k not in ("seq_len", "dtype")}
+    settings = resolve_settings(args, 32, "cpu")
+    with pytest.raises(AttributeError, match="read-only"):
+        settings.lr = 1.0
