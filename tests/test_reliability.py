@@ -438,7 +438,6 @@ def test_stopped_embedded_base_is_finished_not_used(stopped_probe, monkeypatch):
     """A first run stopped while pre-training the embedded base: the next run finishes it; nothing loads it half
     trained."""
     monkeypatch.setattr(checkpoint, "NANO_DIR", stopped_probe)
-    monkeypatch.setattr(train, "NANO_DIR", stopped_probe)
     base_args = train.nano_base_args(train.get_args(["--skip", "--device", "cpu"]))
     assert base_args.resume and base_args.out_dir == str(stopped_probe) and base_args.max_iters == 6
     with pytest.raises(checkpoint.CheckpointError, match="the embedded base is not finished"):
