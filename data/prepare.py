@@ -207,7 +207,8 @@ def heldout_stream(name: str, tok: Tokenizer, mirror: str | None = None) -> np.n
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="Prepare the embedded corpus (splits, BPE tokenizer, token streams).")
+    p = argparse.ArgumentParser(prog="python -m data.prepare",
+                                description="Prepare the embedded corpus (splits, BPE tokenizer, token streams).")
     p.add_argument("--mirror", default=None, help="offline data mirror folder (default: $PREPROJ_MIRROR)")
     p.add_argument("--force", action="store_true", help="rebuild even if data/cache/nano exists")
     args = p.parse_args()

@@ -488,7 +488,8 @@ def eval_model(args) -> tuple[GPT, object]:
 
 
 def main() -> None:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m tools.bench", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shapes", type=shape_list, default="pythia-70m,pythia-160m")
     p.add_argument("--batch", type=positive_int, default=4)

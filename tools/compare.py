@@ -21,7 +21,8 @@ from lab.stats import LEVEL, RESAMPLES, SEED, compare_items
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m tools.compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("a", help="evaluation A: eval_lambada.py's JSON summary or its .items.jsonl")
     p.add_argument("b", help="evaluation B, of the same items")
     p.add_argument("--resamples", type=int, default=RESAMPLES, help="bootstrap draws")

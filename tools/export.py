@@ -18,7 +18,8 @@ from load_pythia import free_folder, save_hf_folder
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m tools.export", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--init_from", required=True,
                    help="the model: anything the other scripts' --init_from accepts (nano, a run folder, ...)")
     p.add_argument("--out", type=out_folder, required=True, help="the folder to write; it must be new or empty")

@@ -176,7 +176,8 @@ def run_harness(lm: HarnessLM, tasks: list[str], manager=None, limit: int | None
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m tools.harness", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--tasks", type=name_list, required=True,
                    help="comma-separated lm-evaluation-harness task (or group) names, e.g. piqa,winogrande")
