@@ -36,14 +36,25 @@ class TrainingObjective(nn.Module):
         return training_loss(self.model, idx, targets)
 
 
+def target_logprob(logits: torch.Tensor, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """log p[target] for each row, from the softmax p of logits. Where p[target] underflows to 0 in fp32 (a target
+    some 100 nats below the best logit), the row's log-softmax gives the exact value instead of -inf."""
+    logp = p.gather(1, t).log()
+    lost = torch.isinf(logp).squeeze(1)
+    if lost.any():
+        logp[lost] = torch.log_softmax(logits[lost].float(), dim=-1).gather(1, t[lost])
+    return logp
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of the logits h @ W^T against targets (-100 = ignore), LOSS_CHUNK logits at a time.
 
     Why not F.cross_entropy(lm_head(h)): with a 50k vocabulary the [tokens, vocab] logits are the largest tensors
     of a step, and the standard path makes three more of their size (log-softmax, the loss's zero-filled gradient,
-    the log-softmax's gradient). Here each chunk's log-softmax becomes its own gradient, softmax - one_hot, in place
-    while it is at hand, and backward only scales what forward computed. That saves memory (past LOSS_CHUNK the
-    full logits never exist) and two passes over them. It equals the standard path to float rounding (tests).
+    the log-softmax's gradient). Here each chunk's softmax, taken straight from the logits, becomes its own
+    gradient, softmax - one_hot, in place while it is at hand, and backward only scales what forward computed.
+    That saves memory (past LOSS_CHUNK the full logits never exist) and passes over them. It equals the standard
+    path to float rounding (tests).
     """
 
     @staticmethod
@@ -55,7 +66,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.empty(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
         # The matrix products run in the autocast dtype when autocast is on (bf16 on this project's CPUs); the
-        # log-softmax and the loss always in fp32, and grad_w accumulates in fp32 over the chunks.
+        # softmax and the loss always in fp32, and grad_w accumulates in fp32 over the chunks.
         device = h.device.type
         mm = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
         w = weight.to(mm)
@@ -64,10 +75,13 @@ class LinearCrossEntropy(torch.autograd.Function):
             h_c = h[i:i + rows].to(mm)
             t_c = targets[i:i + rows].clamp(min=0).unsqueeze(1)  # ignored rows pick any column, weighted 0
             w_row = (valid[i:i + rows] * scale).unsqueeze(1)  # each row's weight in the mean: 1 / n_valid or 0
-            logp = torch.log_softmax((h_c @ w.T).float(), dim=-1)
-            loss -= (logp.gather(1, t_c) * w_row).sum()
+            logits = h_c @ w.T
+            # fp32 probabilities straight from the logits (no separate log-softmax and exp passes); the loss is
+            # the log of the target's
+            p = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            loss -= (target_logprob(logits, p, t_c) * w_row).sum()
             if need_h or need_w:  # d loss / d logits = (softmax - one_hot) * w_row, the row weights applied to
-                g = logp.exp_().scatter_add_(1, t_c, -torch.ones_like(w_row)).to(mm)  # the small operands
+                g = p.scatter_add_(1, t_c, -torch.ones_like(w_row)).to(mm)  # the small operands
                 if need_h:
                     grad_h[i:i + rows] = (g @ w) * w_row
                 if need_w and mm == torch.float32:  # beta=0 on the first chunk: the empty buffer is written, not read

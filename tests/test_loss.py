@@ -76,3 +76,17 @@ def test_training_loss_equals_the_models_plain_loss(monkeypatch, dtype):
         assert (g - r).norm() <= grad_tol * r.norm() + 1e-12
     shifted = F.cross_entropy(model(x)[0].float().flatten(0, 1), y.roll(1, dims=1).flatten(), ignore_index=-100)
     assert abs(shifted.item() - plain.item()) > 10 * value_tol  # the check can see a wrong target alignment
+
+
+def test_a_target_whose_probability_underflows_keeps_its_exact_loss():
+    """A target 200 nats below the best logit has probability 0 in fp32; its loss is still log-softmax's 200, not
+    inf (which the loop would take for a diverged run)."""
+    from lab.loss import target_logprob
+
+    logits = torch.zeros(3, 50)
+    logits[1, 0] = 200.0  # row 1's target (column 7) sits 200 below its best logit
+    t = torch.tensor([[3], [7], [0]])
+    p = torch.softmax(logits, dim=-1)
+    assert p[1, 7] == 0
+    exact = torch.log_softmax(logits, dim=-1).gather(1, t)
+    assert torch.allclose(target_logprob(logits, p, t), exact) and exact[1].item() < -199
