@@ -218,8 +218,9 @@ def train_loop(run: Run, log: TextIO | None) -> None:
             for group in opt.param_groups:
                 group["lr"] = lr
             x, y = batches.global_batch(run.train_data, run.step, s.batch_size, s.seq_len, s.seed)
+            n_tokens = int((y != -100).sum())  # the step's target tokens, every process and micro-batch together
             x, y = (t[run.rank * rows:(run.rank + 1) * rows].to(run.device) for t in (x, y))
-            loss = accumulate_gradients(run, x, y)
+            loss = accumulate_gradients(run, x, y, n_tokens)
             if not math.isfinite(loss):
                 raise diverged(f"the loss became {loss} at step {run.step + 1}", run.out_dir, run.saved_step)
             if s.grad_clip > 0:
@@ -246,21 +247,23 @@ def train_loop(run: Run, log: TextIO | None) -> None:
         raise run_folder.interrupted(signum, run.step, run.out_dir, run.master)
 
 
-def accumulate_gradients(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Forward and backward over this process's rows in --grad_accum micro-batches; returns the step's mean loss
-    over every process. DDP averages the gradients once, on the last micro-batch."""
+def accumulate_gradients(run: Run, x: torch.Tensor, y: torch.Tensor, n_tokens: int) -> float:
+    """Forward and backward over this process's rows in --grad_accum micro-batches; returns the step's loss.
+
+    The objective is the mean over the step's n_tokens target tokens, however they are split: each micro-batch
+    adds its tokens' losses over n_tokens, and as DDP averages the processes' gradients (once, on the last
+    micro-batch), each process scales its own by the number of processes."""
     accum = run.settings.grad_accum
     micro = len(x) // accum
     loss_sum = torch.zeros((), device=x.device)
     for m in range(accum):
         sync = m == accum - 1 or run.world == 1
         with (nullcontext() if sync else run.step_model.no_sync()), run.ctx:
-            loss = run.step_model(x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro])
-            (loss / accum).backward()
-        loss_sum += loss.detach() / accum
+            loss = run.step_model(x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro], n_tokens)
+            (loss * run.world).backward()
+        loss_sum += loss.detach()
     if run.world > 1:
         dist.all_reduce(loss_sum)
-        loss_sum /= run.world
     return loss_sum.item()
 
 

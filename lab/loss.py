@@ -18,10 +18,15 @@ from model import GPT
 LOSS_CHUNK = 2**26
 
 
-def training_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean cross-entropy of model on (idx, targets), -100 = ignore, as model(idx, targets)[1] computes it."""
+def training_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor, n_tokens: int | None = None) -> torch.Tensor:
+    """The mean cross-entropy of model on (idx, targets), -100 = ignore, as model(idx, targets)[1] computes it.
+
+    With n_tokens, the sum of the token losses here over n_tokens instead: a step split into micro-batches or
+    processes passes the whole step's count of target tokens, so that its pieces add up to the step's mean however
+    their tokens are shared out (padded rows hold unequal numbers)."""
     h = model.hidden_states(idx)
-    return LinearCrossEntropy.apply(h.flatten(0, 1), model.lm_head.weight, targets.flatten(), torch.is_grad_enabled())
+    return LinearCrossEntropy.apply(h.flatten(0, 1), model.lm_head.weight, targets.flatten(), torch.is_grad_enabled(),
+                                    n_tokens)
 
 
 class TrainingObjective(nn.Module):
@@ -32,8 +37,8 @@ class TrainingObjective(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return training_loss(self.model, idx, targets)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, n_tokens: int | None = None) -> torch.Tensor:
+        return training_loss(self.model, idx, targets, n_tokens)
 
 
 def target_logprob(logits: torch.Tensor, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -47,7 +52,8 @@ def target_logprob(logits: torch.Tensor, p: torch.Tensor, t: torch.Tensor) -> to
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of the logits h @ W^T against targets (-100 = ignore), LOSS_CHUNK logits at a time.
+    """Mean cross-entropy of the logits h @ W^T against targets (-100 = ignore; over n_tokens when given),
+    LOSS_CHUNK logits at a time.
 
     Why not F.cross_entropy(lm_head(h)): with a 50k vocabulary the [tokens, vocab] logits are the largest tensors
     of a step, and the standard path makes three more of their size (log-softmax, the loss's zero-filled gradient,
@@ -58,10 +64,11 @@ class LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_enabled: bool):
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_enabled: bool,
+                n_tokens: int | None = None):
         need_h, need_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
         valid = targets != -100
-        scale = 1.0 / valid.sum().clamp(min=1)
+        scale = 1.0 / (valid.sum().clamp(min=1) if n_tokens is None else n_tokens)  # what the mean divides by
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.empty(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
@@ -100,4 +107,4 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors  # ours alone: scaled in place
         return (None if grad_h is None else grad_h.mul_(grad_loss.to(grad_h.dtype)),
-                None if grad_w is None else grad_w.mul_(grad_loss).to(ctx.w_dtype), None, None)
+                None if grad_w is None else grad_w.mul_(grad_loss).to(ctx.w_dtype), None, None, None)
