@@ -362,7 +362,7 @@ def restore(s: Settings, out_dir: Path, model: GPT, optimizer: torch.optim.Optim
 def check_request(args: argparse.Namespace, world: int) -> None:
     """The end-of-run benchmarks exist and their data files read well (checked before training, not after), and
     the batch divides into the processes and micro-batches."""
-    tasks = run_report.benchmark_settings(args)["tasks"]
+    tasks = run_report.benchmark_settings(args.eval_tasks, args.hellaswag_limit, args.dtype)["tasks"]
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise SystemExit(f"error: unknown --eval_tasks entry {unknown[0]!r}; choose from {', '.join(TASKS)} or none")
@@ -425,10 +425,12 @@ def announce(run: Run) -> None:
 
 def final_report(run: Run, base_losses: dict) -> dict:
     """Validation losses and lm-eval benchmarks of the frozen base and the trained model, printed side by side."""
-    final = trained_val_losses(run)
+    s, final = run.settings, trained_val_losses(run)
     run_report.print_side_by_side("validation loss", {n: (base_losses.get(n), v) for n, v in final.items()})
+    settings = run_report.benchmark_settings(s.eval_tasks, s.hellaswag_limit, s.dtype)
     with run.ctx:
-        bench = run_report.benchmarks(run.model, run.base_model, run.tokenizer, run.settings, run.device)
+        bench = run_report.benchmarks(run.model, run.base_model, run.tokenizer, settings, s.init_from, run.device,
+                                      s.mirror)
     return {"val_loss": {"base": base_losses, "trained": final}, "benchmarks": bench}
 
 

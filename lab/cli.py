@@ -185,6 +185,7 @@ def results_table(results: dict) -> str:
             lines.append(f"{task}: {r['note']}")
     return "\n".join(lines)
 
+
 def keep_freed_memory() -> bool:
     """Ask glibc to keep freed memory for reuse instead of handing it back to the operating system.
 

@@ -3,7 +3,6 @@ The report at the end of a training run: lm-eval benchmarks of the frozen base a
 train.py prints it and keeps it in the run folder's eval.json.
 """
 
-import argparse
 import json
 from pathlib import Path
 
@@ -15,22 +14,23 @@ from lab.evaluation import evaluate
 from model import GPT
 
 
-def benchmark_settings(s: argparse.Namespace) -> dict:
-    """What a run's end-of-run benchmarks measure, from its settings; a base's saved results are reused only when
-    these are equal."""
-    tasks = [t for t in s.eval_tasks.split(",") if t and t != "none"]
-    return {"tasks": tasks, "hellaswag_limit": s.hellaswag_limit, "protocol": "lm-eval", "dtype": s.dtype}
+def benchmark_settings(eval_tasks: str, hellaswag_limit: int, dtype: str) -> dict:
+    """What a run's end-of-run benchmarks measure (train.py's --eval_tasks, --hellaswag_limit and the dtype used);
+    a base's saved results are reused only when these are equal."""
+    tasks = [t for t in eval_tasks.split(",") if t and t != "none"]
+    return {"tasks": tasks, "hellaswag_limit": hellaswag_limit, "protocol": "lm-eval", "dtype": dtype}
 
 
-def benchmarks(model: GPT, base_model: GPT | None, tokenizer: Tokenizer, s: argparse.Namespace, device: str) -> dict:
+def benchmarks(model: GPT, base_model: GPT | None, tokenizer: Tokenizer, settings: dict, init_from: str,
+               device: str, mirror: str | None = None) -> dict:
     """{"settings", "trained", "base"} (or "error"), printed side by side. Run it in the run's precision context."""
-    results = {"settings": benchmark_settings(s)}
-    if not results["settings"]["tasks"]:
+    results = {"settings": settings}
+    if not settings["tasks"]:
         return results
     try:
-        results["trained"] = run_benchmarks(model, tokenizer, s)
+        results["trained"] = run_benchmarks(model, tokenizer, settings, mirror)
         if base_model is not None:
-            results["base"] = base_benchmarks(base_model.to(device), tokenizer, s)
+            results["base"] = base_benchmarks(base_model.to(device), tokenizer, settings, init_from, mirror)
             base_model.cpu()
         print_benchmarks(results)
     except ValueError as e:  # e.g. a window too short for HellaSwag's endings; the checkpoint is saved
@@ -39,24 +39,26 @@ def benchmarks(model: GPT, base_model: GPT | None, tokenizer: Tokenizer, s: argp
     return results
 
 
-def run_benchmarks(model: GPT, tokenizer: Tokenizer, s: argparse.Namespace) -> dict:
-    """lm-eval's LAMBADA and WikiText in full; HellaSwag on its first --hellaswag_limit items (0 = all)."""
-    tasks = benchmark_settings(s)["tasks"]
+def run_benchmarks(model: GPT, tokenizer: Tokenizer, settings: dict, mirror: str | None = None) -> dict:
+    """lm-eval's LAMBADA and WikiText in full; HellaSwag on its first hellaswag_limit items (0 = all)."""
+    tasks = settings["tasks"]
     full = [t for t in tasks if t != "hellaswag"]
-    results = evaluate(model, tokenizer, full, mirror=s.mirror) if full else {}
+    results = evaluate(model, tokenizer, full, mirror=mirror) if full else {}
     if "hellaswag" in tasks:
-        results.update(evaluate(model, tokenizer, ["hellaswag"], limit=s.hellaswag_limit or None, mirror=s.mirror))
+        results.update(evaluate(model, tokenizer, ["hellaswag"], limit=settings["hellaswag_limit"] or None,
+                                mirror=mirror))
     return results
 
 
-def base_benchmarks(base_model: GPT, tokenizer: Tokenizer, s: argparse.Namespace) -> dict:
+def base_benchmarks(base_model: GPT, tokenizer: Tokenizer, settings: dict, init_from: str,
+                    mirror: str | None = None) -> dict:
     """The frozen base's benchmarks: reused from the base's own run folder when it measured the same ones."""
-    saved = Path(s.init_from if s.init_from != "nano" else NANO_DIR) / "eval.json"
+    saved = Path(init_from if init_from != "nano" else NANO_DIR) / "eval.json"
     if saved.is_file():
         bench = json.loads(saved.read_text()).get("benchmarks", {})
-        if bench.get("settings") == benchmark_settings(s) and "trained" in bench:
+        if bench.get("settings") == settings and "trained" in bench:
             return bench["trained"]
-    return run_benchmarks(base_model, tokenizer, s)
+    return run_benchmarks(base_model, tokenizer, settings, mirror)
 
 
 def print_side_by_side(title: str, rows: dict[str, tuple]) -> None:
