@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 # The research switches: what a probe adds to a base. Scripts expose them as flags, checkpoints store them,
 # run names are built from them.
-SWITCHES = ("preproj", "skip", "lora_rank", "lora_alpha", "adapter_dim")
+SWITCHES = ("preproj", "preproj_linear", "skip", "lora_rank", "lora_alpha", "adapter_dim")
 # Names that mark the parameters those switches add on top of a GPT-NeoX base.
 NEW_PARAM_MARKERS = ("w_up", "w_down", "w_skip", "lora_a", "lora_b", "w_a_up", "w_a_down")
 
@@ -55,6 +55,7 @@ class GPTConfig:
     bias: bool = True  # biases on every Linear of the base model (Pythia has them)
     # --- research switches; each works on its own ---
     preproj: bool = False
+    preproj_linear: bool = False  # a control: the pre-projection without its SiLU, x_hat + W_down · W_up · x_hat
     preproj_expansion: float = 1.25
     skip: bool = False
     lora_rank: int = 0
@@ -68,6 +69,8 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.intermediate_size == 0:
             self.intermediate_size = 4 * self.n_embd
+        if self.preproj_linear and not self.preproj:
+            raise ValueError("preproj_linear=True changes the pre-projection: it needs preproj=True")
         if self.lora_rank and not self.lora_alpha:
             self.lora_alpha = 2.0 * self.lora_rank
 
@@ -135,6 +138,7 @@ class Block(nn.Module):
         e = config.preproj_dim
         self.w_up = nn.Linear(d, e, bias=False) if config.preproj else None
         self.w_down = nn.Linear(e, d, bias=False) if config.preproj else None
+        self.preproj_linear = config.preproj_linear
         self.w_skip = nn.Linear(d, d, bias=False) if config.skip else None
         # The capacity control (not in the paper): W_a_down · SiLU(W_a_up · x_hat) added to the residual stream.
         # It reads the same x_hat as the pre-projection and is the same kind of MLP, but Q, K and V never see it:
@@ -145,10 +149,12 @@ class Block(nn.Module):
         self.w_a_down = nn.Linear(a, d, bias=False) if a else None
 
     def pre_projection(self, x_hat: torch.Tensor) -> torch.Tensor:
-        """x_tilde = x_hat + W_down · SiLU(W_up · x_hat); the identity when pre-projection is off."""
+        """x_tilde = x_hat + W_down · SiLU(W_up · x_hat); the identity when pre-projection is off. The linear control
+        drops the SiLU: x_tilde = x_hat + W_down · W_up · x_hat, the same parameters with no nonlinearity."""
         if self.w_up is None:
             return x_hat
-        return x_hat + self.w_down(F.silu(self.w_up(x_hat)))
+        u = self.w_up(x_hat)
+        return x_hat + self.w_down(u if self.preproj_linear else F.silu(u))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:

@@ -68,6 +68,9 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="probe text: the embedded corpus's State of the Union speeches (corpus), its held-out "
                         "book's first chapters (books, the base's own domain), or the paper's WikiText-103 lines "
                         "(needs network)")
+    g.add_argument("--val_splits", type=cli.name_list, default=None,
+                   help=f"held-out splits validated every --eval_interval, comma-separated from "
+                        f"{', '.join(prepare.HELDOUT)} (default: those of --data)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max_iters", type=cli.positive_int, default=150)
     g.add_argument("--batch_size", type=cli.positive_int, default=16,
@@ -94,6 +97,9 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.n_embd % args.n_head:
         p.error(f"--n_embd {args.n_embd} is not divisible by --n_head {args.n_head}")
+    unknown = [n for n in (args.val_splits or "").split(",") if n and n not in prepare.HELDOUT]
+    if unknown:
+        p.error(f"--val_splits: {unknown[0]!r} is no held-out split; choose from {', '.join(prepare.HELDOUT)}")
     return saved_settings(args, cli.explicit_flags(p, argv)) if args.resume else args
 
 
@@ -179,7 +185,7 @@ def train(args: argparse.Namespace) -> tuple[GPT, dict]:
         check_probe(model)
         model.freeze_base()  # the frozen probe: from here on only the new parameters learn
     s = resolve_settings(args, model.config.block_size, device)
-    train_data, vals = batches.load_data(s.init_from, s.data, s.seq_len, tokenizer, s.mirror)
+    train_data, vals = batches.load_data(s.init_from, s.data, s.seq_len, tokenizer, s.mirror, s.val_splits)
     check_lengths(s, model, vals)
     put_on_device(s, model, base_model, device)
     optimizer = make_optimizer(model, s)

@@ -52,7 +52,7 @@ def run_name(settings: dict) -> str:
     nano-skip-books (a --data other than auto is named, so probes of one model on two texts never share a name)."""
     init = settings["init_from"]
     parts = ["scratch" if init == "scratch" else Path(init.rstrip("/")).name]
-    parts += [s for s in ("preproj", "skip") if settings.get(s)]
+    parts += [s for s in ("preproj", "preproj_linear", "skip") if settings.get(s)]
     parts += [settings["data"]] if settings.get("data", "auto") != "auto" else []
     parts += [f"lora{settings['lora_rank']}"] if settings.get("lora_rank") else []
     parts += [f"adapter{settings['adapter_dim']}"] if settings.get("adapter_dim") else []

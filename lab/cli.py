@@ -24,6 +24,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="nano (default, the embedded base), scratch, pythia-160m (or any Pythia / HF id), "
                         "a Hugging Face folder, or one of our run folders")
     p.add_argument("--preproj", action="store_true", help="add the pre-projection MLP before Q/K/V")
+    p.add_argument("--preproj_linear", action="store_true",
+                   help="with --preproj: drop its SiLU (x_hat + W_down W_up x_hat), the control for its nonlinearity")
     p.add_argument("--skip", action="store_true", help="add the content skip W_skip around attention")
     p.add_argument("--lora_rank", type=nonneg_int, default=0, help="LoRA rank on query_key_value and dense (0 = off)")
     p.add_argument("--lora_alpha", type=nonneg_float, default=0.0, help="LoRA alpha (0 = 2 * rank, as the paper)")
@@ -146,6 +148,8 @@ def explicit_flags(p: argparse.ArgumentParser, argv: list[str] | None) -> set[st
 
 def switches_of(args: argparse.Namespace) -> dict:
     """The research switches of a parsed command line, as load_model and GPTConfig take them."""
+    if args.preproj_linear and not args.preproj:
+        raise SystemExit("error: --preproj_linear changes the pre-projection; add --preproj")
     return {k: getattr(args, k) for k in SWITCHES}
 
 

@@ -46,7 +46,7 @@ from tokenizers import Tokenizer
 
 from data import benchmarks
 from data.sources import DataError, fetch, sha256
-from lab.loss import LOSS_CHUNK, training_loss
+from lab.loss import LOSS_CHUNK, row_losses
 
 TASKS = ("lambada", "wikitext", "hellaswag", "arc_easy")
 PROTOCOLS = ("lm-eval", "paper")
@@ -456,6 +456,13 @@ def read_items(path: str | Path) -> list[dict]:
 @torch.no_grad()
 def val_loss(model: torch.nn.Module, stream: np.ndarray, seq_len: int, max_tokens: int, ctx=None) -> float:
     """Mean next-token loss over consecutive windows of a held-out stream (its first max_tokens tokens)."""
+    return float(np.mean(window_losses(model, stream, seq_len, max_tokens, ctx)))
+
+
+def window_losses(model: torch.nn.Module, stream: np.ndarray, seq_len: int, max_tokens: int,
+                  ctx=None) -> list[float]:
+    """The mean next-token loss of each consecutive window of seq_len tokens in a held-out stream (of its first
+    max_tokens tokens), in order: val_loss's terms, kept for statistics over windows."""
     n = min(max_tokens, len(stream) - 1) // seq_len
     if n < 1:
         raise ValueError(f"a held-out stream of {len(stream)} tokens (limit {max_tokens}) holds no window of "
@@ -463,13 +470,11 @@ def val_loss(model: torch.nn.Module, stream: np.ndarray, seq_len: int, max_token
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    total = 0.0
+    losses = []
     for i in range(0, n, 8):
-        rows = range(i, min(i + 8, n))
         chunk = torch.stack([torch.from_numpy(stream[r * seq_len:(r + 1) * seq_len + 1].astype(np.int64))
-                             for r in rows]).to(device)
+                             for r in range(i, min(i + 8, n))]).to(device)
         with ctx or nullcontext():
-            loss = training_loss(model, chunk[:, :-1], chunk[:, 1:])
-        total += loss.item() * len(rows)
+            losses += row_losses(model, chunk[:, :-1], chunk[:, 1:]).tolist()
     model.train(was_training)
-    return total / n
+    return losses

@@ -29,6 +29,15 @@ def training_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor, n_tokens
                                     n_tokens)
 
 
+def row_losses(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's mean cross-entropy [B] (-100 = ignore), without gradients: held-out windows scored one by one,
+    for statistics whose unit is the window."""
+    with torch.no_grad():
+        h = model.hidden_states(idx)
+        return torch.stack([LinearCrossEntropy.apply(h_r, model.lm_head.weight, t_r, False) for h_r, t_r in
+                            zip(h, targets)])
+
+
 class TrainingObjective(nn.Module):
     """training_loss as a module: what the loop calls, and what torch.compile and DistributedDataParallel wrap
     (DDP synchronises the gradients of the module it wraps only when called through its forward)."""

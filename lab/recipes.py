@@ -4,7 +4,7 @@ Recipes: named sets of train.py settings, each written once, here, as a dict of 
     NANO_BASE    the embedded base: a small GPT-NeoX that train.py pre-trains on the public-domain corpus the first
                  time a run needs it (--init_from nano); its shape is train.py's default shape for --init_from scratch
     STUDY_BASE   the 12-layer base of the study (study/): the embedded base's data and schedule at twice the depth and
-                 two thirds of the width, head size 64 as Pythia's, so that a step costs no more (docs/experiment.md)
+                 two thirds of the width, head size 64 as Pythia's, so that a step costs no more (docs/screen.md)
     PAPER_PROBE  the paper's probe (PAPER.md): lr 1e-5, 500 steps, effective batch 16 of 512 tokens, 50 warm-up
                  steps, seed 42, WikiText-103 lines, bf16 weights with no fp32 master copy (train.py --paper)
 

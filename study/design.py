@@ -7,11 +7,12 @@ choices to a base's width, where each run's files live, and how both call the pr
     OUT/<base>/<setting>/<method>/lr_search.json          the learning-rate search (method_folder)
     OUT/<base>/<setting>/<method>/lr<lr>-s<seed>/         one training run (Job.folder)
 
-docs/experiment.md describes each file of a run folder.
+docs/screen.md describes each file of a run folder; docs/experiment.md, the 500-step experiment, adds windows.json.
 """
 
 import argparse
 import json
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +22,9 @@ from lab.checkpoint import ROOT
 from lab.precision import DTYPES
 from model import GPTConfig
 
-OUT = ROOT / "out" / "experiment"
+OUT = ROOT / "out" / "experiment-500"  # the 500-step experiment; the 30-step screen's records are study/runs.tar.gz
 STUDY_DIR = ROOT / "out" / "study-base"  # pre-trained by lab.recipes.STUDY_BASE
-BASES = {"nano": "nano", "study": str(STUDY_DIR)}
+BASES = {"study": str(STUDY_DIR), "nano": "nano"}  # the primary analysis first, then its replication
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,27 @@ SETTINGS = {
     "indist": Setting("books", "books_search", "in distribution: the held-out book, chapters I-IX"),
 }
 TEST_SPLITS = {"sotu_test": "State of the Union 1997-2006", "books_test": "held-out book, chapters XII-XV"}
-FIRST_SEED = 42  # seeds 42, 43, 44: the paper's seed first, which is also the one the embedded base is built with
-PROBE_LRS = (3e-4, 1e-3, 3e-3)
-FULL_LRS = (3e-5, 1e-4, 3e-4)
+FIRST_SEED = 42  # seeds 42, 43, ...: the paper's seed first, which is also the one the embedded base is built with
 PAPER_LR = 1e-5
+
+# The 500-step experiment as pre-registered in docs/experiment.md: the grid's defaults.
+STEPS = 500
+SEEDS = 5
+EXPERIMENT_SETTINGS = ("ood",)
+PROBE_LRS = (5e-4, 1e-3, 2e-3, 4e-3)  # factor 2; a choice on an edge adds the next point beyond it
+FULL_LRS = (3e-5, 1e-4, 3e-4)
+MAX_EXTEND = 3  # points a search may add beyond its grid's edges
+CURVE_INTERVAL = 50  # steps between the search split's losses during training (the learning curves)
+EXPERIMENT_METHODS = ("baseline", "preproj_skip", "skip", "skip_sidemlp", "linear_preproj_skip", "lora_matched",
+                      "capacity", "preproj_skip_lr1e-5", "preproj_skip_bf16_lr1e-5")
+PRIMARY_ONLY = ("capacity", "preproj_skip_lr1e-5", "preproj_skip_bf16_lr1e-5")  # not run on the replication base
+# The pre-registered contrasts, each "pre-proj + skip minus" a control, on sotu_test's held-out loss.
+CONTRASTS = {"skip_sidemlp": "mechanism: the MLP's output enters Q/K/V",
+             "linear_preproj_skip": "nonlinearity: the SiLU",
+             "lora_matched": "the paper's Table 2 claim: against LoRA of the same size",
+             "skip": "what the pre-projection adds to the skip"}
 LIMITS = {"lambada": 0, "wikitext": 0, "hellaswag": 2000, "arc_easy": 0}  # items per task; 0 = the full set
+EXPERIMENT_TASKS = ("lambada", "wikitext")  # HellaSwag and ARC-Easy sat at chance in every run of the screen
 
 
 # --- the methods, and the size rules that scale the paper's choices to a base of width d ---
@@ -68,6 +85,12 @@ def capacity_dim(d: int) -> int:
     return round(preproj_skip_params(d) / (2 * d))
 
 
+def side_mlp_dim(d: int) -> int:
+    """The side-MLP's inner size: the pre-projection's, int(1.25 d), so that skip + side-MLP has pre-projection +
+    skip's parameters exactly and differs only in where the MLP's output goes (the residual, not Q/K/V)."""
+    return int(d * GPTConfig.preproj_expansion)
+
+
 @dataclass(frozen=True)
 class Method:
     label: str
@@ -75,6 +98,7 @@ class Method:
     grid: str = "probe"  # the learning-rate grid it is searched over: "probe" (--lrs) or "full" (--full_lrs)
     lr: float | None = None  # a fixed learning rate instead of a search
     lr_from: str = ""  # or the learning rate chosen for that method
+    seeds: int = 0  # seeds it runs, when fewer than the grid's
 
 
 PP_SKIP = ["--preproj", "--skip"]
@@ -87,13 +111,16 @@ METHODS = {
     "lora_matched": Method("LoRA, matched to pre-proj + skip", lambda d: ["--lora_rank", str(matched_rank(d))]),
     "preproj_lora": Method("pre-proj + LoRA", lambda d: ["--preproj", "--lora_rank", str(round(d * 64 / 768))]),
     "capacity": Method("capacity control", lambda d: ["--adapter_dim", str(capacity_dim(d))]),
+    # the controls of the 500-step experiment: pre-proj + skip's parameters, differing in one thing each
+    "skip_sidemlp": Method("skip + side-MLP", lambda d: ["--skip", "--adapter_dim", str(side_mlp_dim(d))]),
+    "linear_preproj_skip": Method("linear pre-proj + skip", lambda d: PP_SKIP + ["--preproj_linear"]),
     "full_ft": Method("full fine-tune", lambda d: ["--full_finetune"], grid="full"),
     # the extra rows: the paper's learning rate, and its precision (bf16 weights and AdamW state, no fp32 master)
-    "preproj_skip_lr1e-5": Method("pre-proj + skip, the paper's lr", lambda d: PP_SKIP, lr=PAPER_LR),
+    "preproj_skip_lr1e-5": Method("pre-proj + skip, the paper's lr", lambda d: PP_SKIP, lr=PAPER_LR, seeds=3),
     "preproj_skip_bf16": Method("pre-proj + skip, the paper's precision", lambda d: PP_SKIP + ["--pure_bf16"],
                                 lr_from="preproj_skip"),
     "preproj_skip_bf16_lr1e-5": Method("pre-proj + skip, the paper's precision and lr",
-                                       lambda d: PP_SKIP + ["--pure_bf16"], lr=PAPER_LR),
+                                       lambda d: PP_SKIP + ["--pure_bf16"], lr=PAPER_LR, seeds=3),
 }
 
 
@@ -139,6 +166,17 @@ def eval_files(folder: Path, limits: dict[str, int], tasks: list[str]) -> list[t
     for t in tasks:
         groups.setdefault(limits[t], []).append(t)
     return [(ts, limit, folder / f"eval-{'-'.join(ts)}.json") for limit, ts in groups.items()]
+
+
+def code_version() -> dict:
+    """{"commit": the checkout's commit, "dirty": whether tracked files differ from it}; None for both outside a
+    git checkout."""
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
 
 
 def read_json(path: Path) -> dict:

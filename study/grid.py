@@ -1,27 +1,31 @@
 """
-The study's grid: the paper's Table 2 and Figure 2 re-measured on our own bases, with the controls the paper lacks
-(docs/experiment.md gives the design, the commands and the budget; study/report.py turns the finished runs into
-study/RESULTS.md).
+The study's grid: by default the pre-registered 500-step experiment (docs/experiment.md: design, contrasts,
+budget); study/report.py turns the finished runs into study/RESULTS.md.
 
     python -m study.grid --dry_run              # every command of the grid, nothing run
-    python -m study.grid                        # the grid; resumable: what is finished is skipped
-    python -m study.grid --only nano,ood,preproj_skip --seeds 1 --steps 30    # a subset, shrunk
+    python -m study.grid                        # the experiment; resumable: what is finished is skipped
+    python -m study.grid --only nano,preproj_skip --seeds 1 --steps 30    # a subset, shrunk
 
-The grid (study/design.py): bases (BASES: the embedded `nano` and the 12-layer `study` base, pre-trained here once
-by lab.recipes.STUDY_BASE) x settings (SETTINGS: `ood`, State of the Union speeches, a domain the bases never saw;
-`indist`, the first chapters of the book held out of their pre-training) x methods (METHODS) x seeds. Each trained
-run is train.py into its own folder, then in-process its held-out losses (and, for the probes, the share of new
-weights that moved at all), then eval_lambada.py for the benchmarks (eval-<tasks>.json + .items.jsonl). Every stage
-is skipped when its file exists, and an interrupted training resumes from its checkpoint. A training that diverges
-(train.py's exit status lab.run_folder.EXIT_DIVERGED) is recorded in diverged.json and counts as an infinite loss.
+The grid (study/design.py): bases (BASES: the 12-layer `study` base, pre-trained here once by lab.recipes.STUDY_BASE,
+then the embedded `nano`) x settings (EXPERIMENT_SETTINGS: `ood`, State of the Union speeches, a domain the bases
+never saw) x methods (EXPERIMENT_METHODS; any other of SETTINGS and METHODS runs when --only names it) x seeds. Each
+trained run is train.py into its own folder, validating on the search split every CURVE_INTERVAL steps, then
+in-process its held-out losses (each window's, and for the probes the share of new weights that moved at all),
+then eval_lambada.py for the benchmarks (eval-<tasks>.json + .items.jsonl). Every stage is skipped when its file
+exists, and an interrupted training resumes from its checkpoint. A training that diverges (train.py's exit status
+lab.run_folder.EXIT_DIVERGED) is recorded in diverged.json and counts as an infinite loss. The grid's folder records
+the commit it runs at and refuses to continue from another.
 
 Learning rates: each method's own grid (PROBE_LRS, FULL_LRS) trained at the first seed and scored on the setting's
-search split (sotu_search or books_search), which no reported number uses; the other seeds train at the lr with
-the lowest search loss. Reported held-out losses are on sotu_test and books_test, never trained on or searched on.
+search split (sotu_search), which no reported number uses, with points added beyond an edge that the search chose
+(MAX_EXTEND); the other seeds train at the lr with the lowest search loss. Reported held-out losses are on sotu_test
+and books_test, never trained on or searched on.
 """
 
 import argparse
 import math
+import platform
+import resource
 import shlex
 import signal
 import subprocess
@@ -29,30 +33,40 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from data.prepare import split_tokens
 from data.sources import DataError
 from lab.checkpoint import NANO_DIR, ROOT, CheckpointError, load_model, read_checkpoint, save_run_file
-from lab.evaluation import TASKS, val_loss
+from lab.evaluation import TASKS, window_losses
 from lab.precision import for_inference, resolve_dtype
 from lab.recipes import STUDY_BASE, flags
 from lab.run_folder import EXIT_DIVERGED
-from model import SWITCHES
+from model import SWITCHES, GPTConfig
 from study.design import (
     BASES,
+    CURVE_INTERVAL,
+    EXPERIMENT_METHODS,
+    EXPERIMENT_SETTINGS,
+    EXPERIMENT_TASKS,
     FIRST_SEED,
     FULL_LRS,
     LIMITS,
+    MAX_EXTEND,
     METHODS,
     PAPER_LR,
+    PRIMARY_ONLY,
     PROBE_LRS,
+    SEEDS,
     SETTINGS,
+    STEPS,
     STUDY_DIR,
     TEST_SPLITS,
     Job,
     add_shared_args,
     baseline_folder,
+    code_version,
     command,
     eval_files,
     method_folder,
@@ -76,6 +90,13 @@ def execute(argv: list[str], log: Path, args) -> int:
         f.write(f"\n$ {shlex.join(argv)}\n")
         f.flush()
         return subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds (user + system) of the finished subprocesses so far: the machine time a run took, whatever else
+    shared the machine meanwhile."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def last_error(log: Path) -> str:
@@ -119,7 +140,8 @@ def train_argv(job: Job, init_from: str, d: int, args) -> list[str]:
     return command("train.py", "--init_from", init_from, *m.flags(d), "--data", s.data, "--max_iters", args.steps,
                    "--batch_size", args.batch_size, "--seq_len", args.seq_len, "--lr", lr, "--min_lr", min_lr,
                    "--warmup_iters", max(1, args.steps // 10), "--seed", job.seed, "--eval_tasks", "none",
-                   "--eval_interval", args.steps, "--eval_tokens", args.heldout_tokens or 16384,
+                   "--val_splits", s.search, "--eval_interval", min(CURVE_INTERVAL, args.steps),
+                   "--eval_tokens", args.heldout_tokens or 65536,
                    "--out_dir", job.folder(args.out),
                    *shared_flags(args))
 
@@ -140,17 +162,19 @@ def train_job(job: Job, init_from: str, d: int, args) -> bool:
                          f"pass another --out or delete that folder")
     print(f"[train] {job.name()}", flush=True)
     if not args.dry_run:
-        save_run_file(folder, "job.json", {"train": argv})
+        save_run_file(folder, "job.json", {"train": argv, **args.version, "grid_command": args.command})
     if (folder / "ckpt.pt").is_file():
         argv = resume_argv(folder, args)
-    t0 = time.time()
+    t0, cpu0 = time.time(), children_cpu_seconds()
     try:
         rc = execute(argv, folder / "log.txt", args)
     finally:  # every invocation's time counts, one stopped by Ctrl-C or SIGTERM too
         if not args.dry_run:
             timing = read_json(folder / "timing.json")
-            save_run_file(folder, "timing.json", {"train_seconds": timing.get("train_seconds", 0) + time.time() - t0,
-                                                  "invocations": timing.get("invocations", 0) + 1})
+            save_run_file(folder, "timing.json", {
+                "train_seconds": timing.get("train_seconds", 0) + time.time() - t0,
+                "train_cpu_seconds": timing.get("train_cpu_seconds", 0) + children_cpu_seconds() - cpu0,
+                "invocations": timing.get("invocations", 0) + 1})
     if rc == EXIT_DIVERGED:
         error = last_error(folder / "log.txt")
         save_run_file(folder, "diverged.json", {"error": error})
@@ -163,8 +187,8 @@ def train_job(job: Job, init_from: str, d: int, args) -> bool:
 
 # --- measured in-process: held-out losses, trainable parameters, weights that moved ---
 
-def heldout_losses(model, tokenizer, splits: list[str], args, cache: dict) -> dict[str, float]:
-    """Mean next-token loss over every whole window of each split (of its first --heldout_tokens; 0 = all)."""
+def heldout_losses(model, tokenizer, splits: list[str], args, cache: dict) -> dict[str, list[float]]:
+    """The next-token loss of every whole window of each split (of its first --heldout_tokens; 0 = all)."""
     seq_len = min(args.seq_len, model.config.block_size)
     ctx = for_inference(model, args.device or "cpu", resolve_dtype(args.dtype or "auto", args.device or "cpu"))
     losses = {}
@@ -172,7 +196,7 @@ def heldout_losses(model, tokenizer, splits: list[str], args, cache: dict) -> di
         key = ("tokens", tokenizer.to_str(), name)
         if key not in cache:
             cache[key] = split_tokens(name, tokenizer, args.mirror)
-        losses[name] = val_loss(model, cache[key], seq_len, args.heldout_tokens or len(cache[key]), ctx)
+        losses[name] = window_losses(model, cache[key], seq_len, args.heldout_tokens or len(cache[key]), ctx)
     return losses
 
 
@@ -184,8 +208,8 @@ def moved_shares(folder: Path, args) -> dict[str, float]:
     ckpt = read_checkpoint(folder)
     train_args = ckpt["train_args"]
     torch.manual_seed(train_args["seed"])
-    init, _, _ = load_model(train_args["init_from"], **{k: train_args[k] for k in SWITCHES},
-                            mirror=args.mirror)
+    switches = {k: train_args.get(k, getattr(GPTConfig, k)) for k in SWITCHES}  # older runs lack newer switches
+    init, _, _ = load_model(train_args["init_from"], **switches, mirror=args.mirror)
     moved: dict[str, list[int]] = {}
     for name, start in init.new_state_dict().items():
         now = ckpt["model"][name]
@@ -197,7 +221,8 @@ def moved_shares(folder: Path, args) -> dict[str, float]:
 
 def measure(folder: Path, init_from: str, splits: list[str], args, cache: dict) -> dict:
     """measures.json of a run folder (or of a base, for the baseline), completed with what is missing: held-out
-    losses on `splits`, trainable parameters, and for a probe the share of new weights that moved."""
+    losses on `splits` (their means; each window's loss in windows.json), trainable parameters, and for a probe the
+    share of new weights that moved."""
     path = folder / "measures.json"
     saved = read_json(path)
     missing = [s for s in splits if s not in saved]
@@ -214,7 +239,9 @@ def measure(folder: Path, init_from: str, splits: list[str], args, cache: dict) 
                           "base_params": model.num_params("base")}
         if kind == "probe":
             saved["moved"] = moved_shares(folder, args)
-    saved.update(heldout_losses(model, tokenizer, missing, args, cache))
+    windows = heldout_losses(model, tokenizer, missing, args, cache)
+    save_run_file(folder, "windows.json", {**read_json(folder / "windows.json"), **windows})
+    saved.update({name: float(np.mean(losses)) for name, losses in windows.items()})
     save_run_file(folder, "measures.json", saved)
     return saved
 
@@ -249,31 +276,52 @@ def choose_lr(base: str, init_from: str, d: int, setting: str, method: str, args
         return search(base, init_from, d, setting, m.lr_from, args, cache)
     if m.lr is not None:
         return m.lr
-    grid = args.full_lrs if m.grid == "full" else args.lrs
+    grid = list(args.full_lrs if m.grid == "full" else args.lrs)
     if len(grid) == 1:
         return grid[0]
     path = method_folder(args.out, base, setting, method) / "lr_search.json"
     if path.is_file():
         return read_json(path)["chosen"]
     split = SETTINGS[setting].search
-    losses = {}
-    for lr in grid:
-        job = Job(base, setting, method, lr, args.seeds[0])
-        ok = train_job(job, init_from, d, args)
-        losses[lr] = measure(job.folder(args.out), str(job.folder(args.out)), [split], args, cache).get(
-            split, math.inf) if ok else math.inf
-    if args.dry_run:
-        return None
-    chosen = min(losses, key=losses.get)
+    losses: dict[float, float] = {}
+    added = 0
+    while True:
+        for lr in grid:
+            if lr not in losses:
+                job = Job(base, setting, method, lr, args.seeds[0])
+                ok = train_job(job, init_from, d, args)
+                losses[lr] = measure(job.folder(args.out), str(job.folder(args.out)), [split], args, cache).get(
+                    split, math.inf) if ok else math.inf
+        if args.dry_run:
+            return None
+        chosen = min(losses, key=losses.get)
+        beyond = beyond_edge(list(losses), chosen)
+        if beyond is None or added == args.max_extend:
+            break
+        print(f"[search] {base}/{setting}/{method}: lr {chosen:g} is the grid's edge; adding {beyond:g}", flush=True)
+        grid.append(beyond)
+        added += 1
     save_run_file(path.parent, path.name, {"split": split, "seed": args.seeds[0], "steps": args.steps,
-                                           "losses": {f"{lr:g}": v for lr, v in losses.items()}, "chosen": chosen})
+                                           "losses": {f"{lr:g}": v for lr, v in sorted(losses.items())},
+                                           "chosen": chosen, "at_edge": beyond is not None})
     print(f"[search] {base}/{setting}/{method}: lr {chosen:g} (search loss {losses[chosen]:.4f})", flush=True)
     return chosen
 
 
+def beyond_edge(lrs: list[float], chosen: float) -> float | None:
+    """The next point past the edge of the searched rates that the search chose, one step of the grid's own factor
+    further (rounded to 3 digits, as folder names print it); None when the choice lies inside."""
+    lrs = sorted(lrs)
+    if chosen == lrs[-1]:
+        return float(f"{lrs[-1] * lrs[-1] / lrs[-2]:.3g}")
+    if chosen == lrs[0]:
+        return float(f"{lrs[0] * lrs[0] / lrs[1]:.3g}")
+    return None
+
+
 def run_method(base: str, init_from: str, d: int, setting: str, method: str, args, cache: dict) -> None:
     lr = search(base, init_from, d, setting, method, args, cache)
-    for seed in args.seeds:
+    for seed in args.seeds[:METHODS[method].seeds or None]:
         job = Job(base, setting, method, lr, seed)
         if lr is None and seed == args.seeds[0] and not METHODS[method].lr_from:  # a dry run before the search
             print(f"[train] {job.name()}: the search's run at the chosen lr")
@@ -288,6 +336,7 @@ def run_method(base: str, init_from: str, d: int, setting: str, method: str, arg
 def run_grid(args) -> None:
     cache: dict = {}  # held-out token streams (per tokenizer and split) and learning rates (per method)
     if not args.dry_run:
+        check_version(args)
         save_run_file(args.out, "grid.json", grid_record(args))
     for base, init_from in args.bases.items():
         if not ensure_base(base, init_from, args):
@@ -299,16 +348,38 @@ def run_grid(args) -> None:
             score_benchmarks(baseline_folder(args.out, base), init_from, args)
         for setting in args.settings:
             for method in args.methods:
-                if method != "baseline":
+                if method != "baseline" and (base == args.primary or method not in PRIMARY_ONLY):
                     run_method(base, init_from, d, setting, method, args, cache)
 
 
+def check_version(args) -> None:
+    """One grid, one version of the code: a grid folder started at another commit is continued only from a
+    checkout of that commit."""
+    started = read_json(args.out / "grid.json").get("commit")
+    if started and started != args.version["commit"]:
+        raise SystemExit(f"error: {args.out} holds a grid run at commit {started[:12]}, this checkout is at "
+                         f"{(args.version['commit'] or 'no commit')[:12]}; continue it from a checkout of that "
+                         f"commit (git worktree add DIR {started[:12]}), or pass another --out")
+    if args.version["dirty"]:
+        print("note: tracked files differ from the commit; the run records name the commit all the same")
+
+
+def cpu_name() -> str:
+    """The processor's model name, as lscpu prints it."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+             if line.startswith("model name")] if cpuinfo.is_file() else []
+    return names[0] if names else platform.processor()
+
+
 def grid_record(args) -> dict:
-    """grid.json: what the report's setup section states, the budget and the search as run."""
-    return {"bases": args.bases, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-            "seeds": args.seeds, "lrs": args.lrs, "full_lrs": args.full_lrs, "paper_lr": PAPER_LR,
+    """grid.json: what the report's setup section states, the budget and the search as run, and the code's
+    commit and the command of the latest invocation."""
+    return {**args.version, "command": args.command, "cpu": cpu_name(), "bases": args.bases, "primary": args.primary,
+            "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "seeds": args.seeds,
+            "lrs": args.lrs, "full_lrs": args.full_lrs, "paper_lr": PAPER_LR,
             "limits": {t: args.limits[t] for t in args.tasks}, "dtype": args.dtype or "auto",
-            "heldout_tokens": args.heldout_tokens}
+            "heldout_tokens": args.heldout_tokens, "max_extend": args.max_extend}
 
 
 # --- the command line ---
@@ -329,14 +400,16 @@ def parse_limits(text: str, tasks: list[str]) -> dict[str, int]:
 
 
 def select(only: str, bases: dict) -> tuple[dict, list[str], list[str]]:
-    """(bases, settings, methods) that --only names; a kind it names none of is taken whole."""
+    """(bases, settings, methods) that --only names; a kind it names none of is the experiment's: every base,
+    EXPERIMENT_SETTINGS, EXPERIMENT_METHODS (any other setting or method runs when named)."""
     names = [n for n in only.split(",") if n]
     unknown = [n for n in names if n not in bases and n not in SETTINGS and n not in METHODS]
     if unknown:
         raise SystemExit(f"error: --only {unknown[0]!r} is no base, setting or method; choose from "
                          f"{', '.join([*bases, *SETTINGS, *METHODS])}")
-    pick = lambda pool: [n for n in pool if n in names] or list(pool)  # noqa: E731
-    return {b: bases[b] for b in pick(bases)}, pick(SETTINGS), pick(METHODS)
+    pick = lambda pool, default: [n for n in pool if n in names] or list(default)  # noqa: E731
+    return ({b: bases[b] for b in pick(bases, bases)}, pick(SETTINGS, EXPERIMENT_SETTINGS),
+            pick(METHODS, EXPERIMENT_METHODS))
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -344,13 +417,17 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry_run", action="store_true", help="print the commands of the grid; run nothing")
     p.add_argument("--only", default="", help="comma-separated bases, settings and methods (a kind not named: all)")
-    p.add_argument("--bases", default="", help="NAME=MODEL,... instead of nano=nano,study=out/study-base")
-    p.add_argument("--steps", type=int, default=150, help="training steps of every run")
-    p.add_argument("--seeds", type=int, default=3, help=f"seeds per method: {FIRST_SEED}, {FIRST_SEED + 1}, ...")
+    p.add_argument("--bases", default="", help="NAME=MODEL,... instead of study=out/study-base,nano=nano (the "
+                                               "first is the primary base, the only one that runs " +
+                                               ", ".join(PRIMARY_ONLY) + ")")
+    p.add_argument("--steps", type=int, default=STEPS, help="training steps of every run")
+    p.add_argument("--seeds", type=int, default=SEEDS, help=f"seeds per method: {FIRST_SEED}, {FIRST_SEED + 1}, ...")
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--lrs", default=",".join(f"{x:g}" for x in PROBE_LRS), help="the probes' lr grid")
     p.add_argument("--full_lrs", default=",".join(f"{x:g}" for x in FULL_LRS), help="full fine-tuning's lr grid")
-    p.add_argument("--tasks", default=",".join(TASKS), help="benchmarks of every run")
+    p.add_argument("--tasks", default=",".join(EXPERIMENT_TASKS), help="benchmarks of every reported run")
+    p.add_argument("--max_extend", type=int, default=MAX_EXTEND,
+                   help="points a learning-rate search may add beyond the edge of its grid")
     p.add_argument("--limit", default="", help=f"items per task, TASK=N,... or N for all (0 = full set); "
                                                f"default {','.join(f'{t}={n}' for t, n in LIMITS.items())}")
     p.add_argument("--heldout_tokens", type=int, default=0, help="held-out tokens per loss (0 = the whole split)")
@@ -360,14 +437,18 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(len(pair) != 2 or not all(pair) for pair in pairs):
         raise SystemExit(f"error: --bases {args.bases!r}: expected NAME=MODEL,... (e.g. nano=nano,p160=pythia-160m)")
     bases = dict(pairs) or BASES
+    args.primary = next(iter(bases))
     args.bases, args.settings, args.methods = select(args.only, bases)
     args.tasks = [t for t in args.tasks.split(",") if t]
-    if any(t not in TASKS for t in args.tasks) or args.steps < 1 or args.seeds < 1:
-        raise SystemExit(f"error: --tasks takes {', '.join(TASKS)}; --steps and --seeds must be positive")
+    if any(t not in TASKS for t in args.tasks) or args.steps < 1 or args.seeds < 1 or args.max_extend < 0:
+        raise SystemExit(f"error: --tasks takes {', '.join(TASKS)}; --steps and --seeds must be positive, "
+                         f"--max_extend at least 0")
     args.limits = parse_limits(args.limit, args.tasks)
     args.seeds = [FIRST_SEED + i for i in range(args.seeds)]
     args.lrs, args.full_lrs = parse_list(args.lrs), parse_list(args.full_lrs)
     args.out = Path(args.out).resolve()
+    args.version, args.command = code_version(), ["python", "-m", "study.grid", *(sys.argv[1:] if argv is None
+                                                                                  else argv)]
     return args
 
 

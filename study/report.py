@@ -8,7 +8,7 @@ markers of READING is kept.
 
 A run counts once it has its held-out losses and at least one evaluation. The numbers of the tables come from the
 run records alone (study/runs.tar.gz holds those of the grid behind RESULTS.md); the layer analysis runs
-analyze_layers.py, which needs the runs' checkpoints. docs/experiment.md describes every table.
+analyze_layers.py, which needs the runs' checkpoints. docs/screen.md describes every table.
 """
 
 import argparse

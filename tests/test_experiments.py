@@ -31,7 +31,10 @@ def test_capacity_and_matched_lora_have_pre_proj_plus_skips_parameters(d):
         target = GPT(GPTConfig(**shape, preproj=True, skip=True)).num_params("new")
         capacity = GPT(GPTConfig(**shape, adapter_dim=design.capacity_dim(d))).num_params("new")
         lora = GPT(GPTConfig(**shape, lora_rank=design.matched_rank(d))).num_params("new")
+        side_mlp = GPT(GPTConfig(**shape, skip=True, adapter_dim=design.side_mlp_dim(d))).num_params("new")
+        linear = GPT(GPTConfig(**shape, preproj=True, preproj_linear=True, skip=True)).num_params("new")
     assert target == 2 * (2 * d * int(1.25 * d) + d * d)  # PAPER.md's count per layer
+    assert side_mlp == linear == target  # the two controls of the 500-step experiment: exactly its parameters
     assert abs(capacity - target) <= 0.01 * target
     assert abs(lora - target) <= 0.01 * target
 
@@ -119,7 +122,7 @@ def test_parts_split_the_held_out_text_without_changing_the_splits(mirror):
 def test_search_picks_the_lowest_search_loss_and_skips_finished_runs(tmp_path, monkeypatch):
     args = SimpleNamespace(out=tmp_path, lrs=(1e-4, 1e-3, 1e-2), full_lrs=(1e-5,), seeds=[42], steps=5,
                            dry_run=False, seq_len=32, batch_size=4, heldout_tokens=0, device=None, dtype=None,
-                           mirror=None)
+                           mirror=None, max_extend=3)
     for lr, loss in ((1e-4, 3.2), (1e-3, 2.9), (1e-2, None)):
         folder = design.Job("b", "indist", "skip", lr, 42).folder(tmp_path)
         folder.mkdir(parents=True)
@@ -141,6 +144,35 @@ def test_search_picks_the_lowest_search_loss_and_skips_finished_runs(tmp_path, m
     assert grid.search("b", "base", 32, "indist", "preproj_skip_bf16", args, {}) == 0.003
 
 
+def finished_search_run(out: Path, method: str, lr: float, loss: float) -> None:
+    folder = design.Job("b", "ood", method, lr, 42).folder(out)
+    folder.mkdir(parents=True)
+    (folder / "eval.json").write_text("{}")
+    (folder / "measures.json").write_text(json.dumps({"sotu_search": loss}))
+
+
+@pytest.mark.parametrize("max_extend, chosen, searched, at_edge", [(3, 2e-3, 4, False), (1, 2e-3, 3, True),
+                                                                   (0, 1e-3, 2, True)])
+def test_a_search_that_lands_on_an_edge_adds_the_next_point(tmp_path, monkeypatch, max_extend, chosen, searched,
+                                                            at_edge):
+    """Losses falling to the top of the grid: 1e-3 (its edge) adds 2e-3, which wins and adds 4e-3, which loses;
+    the search stops inside the grid, or at --max_extend points beyond it, saying it stopped on an edge."""
+    for lr, loss in ((5e-4, 3.0), (1e-3, 2.9), (2e-3, 2.8), (4e-3, 2.85)):
+        finished_search_run(tmp_path, "skip", lr, loss)
+    args = SimpleNamespace(out=tmp_path, lrs=(5e-4, 1e-3), full_lrs=(1e-5,), seeds=[42], steps=5, dry_run=False,
+                           max_extend=max_extend)
+    monkeypatch.setattr(grid.subprocess, "run", lambda *a, **k: pytest.fail("nothing should run"))
+    assert grid.search("b", "base", 32, "ood", "skip", args, {}) == chosen
+    record = json.loads((tmp_path / "b" / "ood" / "skip" / "lr_search.json").read_text())
+    assert len(record["losses"]) == searched and record["at_edge"] is at_edge
+
+
+def test_beyond_edge_steps_out_by_the_grids_factor():
+    lrs = [5e-4, 1e-3, 2e-3, 4e-3]
+    assert grid.beyond_edge(lrs, 4e-3) == 0.008 and grid.beyond_edge(lrs, 5e-4) == 0.00025
+    assert grid.beyond_edge(lrs, 1e-3) is None and grid.beyond_edge([3e-4, 1e-3, 3e-3], 3e-3) == 0.009
+
+
 # --- a diverged training is recorded, whichever way it diverged: the grid reads train.py's exit status ---
 
 @pytest.mark.parametrize("steps, lr, message", [
@@ -151,7 +183,7 @@ def test_search_picks_the_lowest_search_loss_and_skips_finished_runs(tmp_path, m
 ])
 def test_a_diverged_training_is_recorded_not_fatal(micro_base, tmp_path, capsys, steps, lr, message):
     args = SimpleNamespace(out=tmp_path, steps=steps, batch_size=2, seq_len=32, heldout_tokens=512, dry_run=False,
-                           device=None, dtype="float32", mirror=None)
+                           device=None, dtype="float32", mirror=None, version=design.code_version(), command=[])
     job = design.Job("micro", "indist", "preproj_skip", lr, 42)
     assert grid.train_job(job, micro_base, 32, args) is False
     folder = job.folder(tmp_path)
@@ -225,18 +257,24 @@ def tiny_pythia(tmp_path_factory, mirror):
     return str(folder)
 
 
-def test_dry_run_lists_every_method_and_runs_nothing(tiny_pythia, tmp_path, capsys):
-    grid.main(["--dry_run", "--bases", f"tiny={tiny_pythia}", "--out", str(tmp_path / "grid")])
+def test_dry_run_lists_the_experiment_and_runs_nothing(tiny_pythia, tmp_path, capsys):
+    """The default grid is the pre-registered 500-step experiment (docs/experiment.md): on the primary base, six
+    methods searched over four rates then four more seeds each, and the paper's two recipe rows at three seeds;
+    the second base replicates all but the primary-only rows."""
+    grid.main(["--dry_run", "--bases", f"tiny={tiny_pythia},again={tiny_pythia}", "--out", str(tmp_path / "grid")])
     out = capsys.readouterr().out
     assert not (tmp_path / "grid").exists()
-    for flags in ("--preproj --skip --data corpus", "--preproj --skip --data books", "--skip --data",
-                  "--lora_rank 40 --data", "--lora_rank 37 --data", "--preproj --lora_rank 5 --data",
-                  "--adapter_dim 112 --data", "--full_finetune --data", "--lr 1e-05", "--pure_bf16 --data"):
+    for flags in ("--preproj --skip --data corpus", "--skip --data corpus", "--skip --adapter_dim 80 --data",
+                  "--preproj --skip --preproj_linear --data", "--lora_rank 37 --data", "--adapter_dim 112 --data",
+                  "--lr 1e-05", "--pure_bf16 --data", "--max_iters 500 --batch_size 16 --seq_len 256",
+                  "--lr 0.0005 ", "--lr 0.004 ", "--val_splits sotu_search --eval_interval 50"):
         assert flags in out, flags
-    assert out.count("python train.py") == 2 * (3 * 8 + 2 * 8 + 3 * 3)  # search grids, later seeds, extra rows
-    assert "--lr LR --min_lr LR/10" in out  # later seeds wait for the search
-    assert "--tasks lambada,wikitext,arc_easy --out" in out and "--tasks hellaswag --out" in out  # by item limit
-    assert "--limit 2000" in out
+    assert "--data books" not in out and "--full_finetune" not in out and "--lora_rank 40" not in out
+    primary = 6 * 4 + 6 * 4 + 2 * 3  # search grids, later seeds (42 is the search's), the paper's rows
+    assert out.count("python train.py") == primary + 5 * 4 + 5 * 4
+    assert "[train] again/ood/capacity" not in out and "[train] again/ood/preproj_skip_lr1e-5" not in out
+    assert "--lr LR --min_lr LR/10" in out and "--seed 46 " in out and "--seed 47 " not in out
+    assert "--tasks lambada,wikitext --out" in out
 
 
 def test_grid_runs_resumes_without_retraining_and_builds_the_tables(tiny_pythia, tmp_path, capsys):
@@ -245,7 +283,7 @@ def test_grid_runs_resumes_without_retraining_and_builds_the_tables(tiny_pythia,
             "--lrs", "1e-3", "--tasks", "lambada,arc_easy", "--limit", "4", "--seq_len", "32",
             "--batch_size", "2", "--heldout_tokens", "512", "--out", str(out), "--dtype", "float32"]
     grid.main(argv)
-    ckpts = {s: out / "tiny" / s / "preproj_skip" / "lr0.001-s42" / "ckpt.pt" for s in design.SETTINGS}
+    ckpts = {s: out / "tiny" / s / "preproj_skip" / "lr0.001-s42" / "ckpt.pt" for s in design.EXPERIMENT_SETTINGS}
     mtimes = {s: os.stat(p).st_mtime_ns for s, p in ckpts.items()}
     capsys.readouterr()
     grid.main(argv)  # everything is finished: nothing trains or evaluates again
@@ -255,8 +293,8 @@ def test_grid_runs_resumes_without_retraining_and_builds_the_tables(tiny_pythia,
     report.main(["--out", str(out), "--results", str(results), "--resamples", "500",
                       "--layer_tokens", "256", "--seq_len", "32"])
     text = results.read_text()
-    for setting in design.SETTINGS.values():
-        assert f"## tiny: {setting.label}" in text
+    for setting in design.EXPERIMENT_SETTINGS:
+        assert f"## tiny: {design.SETTINGS[setting].label}" in text
     assert "| method | lr | trainable | train s | loss SOTU |" in text
     assert "| pre-proj + skip | 0.001 | 28,672 |" in text
     assert "Against baseline (the frozen base):" in text and "w_skip moved" in text
@@ -265,10 +303,24 @@ def test_grid_runs_resumes_without_retraining_and_builds_the_tables(tiny_pythia,
     assert (figures / "layers" / "layers.png").is_file()
     charts = sorted(f"figures/{p.name}" for p in figures.glob("delta_*.png"))
     assert sorted(figure_links(results)) == [*charts, "figures/layers/layers.png"]  # linked relative to RESULTS.md
-    measures = json.loads((ckpts["indist"].parent / "measures.json").read_text())
+    folder = ckpts["ood"].parent
+    measures = json.loads((folder / "measures.json").read_text())
     assert set(design.TEST_SPLITS) <= set(measures) and measures["trainable"] == 28_672
+    windows = json.loads((folder / "windows.json").read_text())  # 512 held-out tokens: 16 windows of 32
+    assert {k: len(v) for k, v in windows.items()} == {"sotu_test": 16, "books_test": 16}
+    assert measures["sotu_test"] == pytest.approx(np.mean(windows["sotu_test"]))
+    job, grid_json = (json.loads((p / name).read_text()) for p, name in ((folder, "job.json"), (out, "grid.json")))
+    assert job["commit"] == grid_json["commit"] == design.code_version()["commit"] and len(job["commit"]) == 40
+    assert job["grid_command"] == grid_json["command"] == ["python", "-m", "study.grid", *argv]
+    curve = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in curve if "sotu_search_loss" in r] == [2]
+    timing = json.loads((folder / "timing.json").read_text())
+    assert timing["train_cpu_seconds"] > 0 and timing["invocations"] == 1
     results.write_text(text.replace("(To be written", "We read: nothing yet (to be written"))
     report.main(["--out", str(out), "--results", str(results), "--resamples", "500",
                       "--layer_tokens", "256", "--seq_len", "32"])
     assert "We read: nothing yet" in results.read_text()  # the hand-written reading survives a rebuild
     assert np.isfinite(measures["sotu_test"])
+    (out / "grid.json").write_text(json.dumps({**grid_json, "commit": "0" * 40}))  # a grid of another commit
+    with pytest.raises(SystemExit, match="holds a grid run at commit 000000000000, this checkout is at"):
+        grid.main(argv)

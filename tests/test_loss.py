@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from lab import loss as fast
-from lab.loss import LinearCrossEntropy, TrainingObjective, training_loss
+from lab.evaluation import val_loss, window_losses
+from lab.loss import LinearCrossEntropy, TrainingObjective, row_losses, training_loss
 from model import GPT, GPTConfig
 
 
@@ -90,3 +91,23 @@ def test_a_target_whose_probability_underflows_keeps_its_exact_loss():
     assert p[1, 7] == 0
     exact = torch.log_softmax(logits, dim=-1).gather(1, t)
     assert torch.allclose(target_logprob(logits, p, t), exact) and exact[1].item() < -199
+
+
+def test_window_losses_are_each_windows_plain_loss():
+    """Held-out windows scored one by one (the study's unit of replication): each equals the plain loss of that
+    window alone, and val_loss is their mean."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=200, block_size=16, n_layer=2, n_head=2, n_embd=32)).eval()
+    stream = torch.randint(0, 200, (16 * 11 + 5,)).numpy()
+    found = window_losses(model, stream, 16, len(stream), None)
+    assert len(found) == 11  # whole windows only, over two chunks of 8
+    with torch.no_grad():
+        for i in (0, 7, 8, 10):
+            w = torch.from_numpy(stream[16 * i:16 * i + 17]).long()[None]
+            assert found[i] == pytest.approx(model(w[:, :-1], w[:, 1:])[1].item(), abs=1e-5)
+    assert val_loss(model, stream, 16, len(stream)) == pytest.approx(sum(found) / 11, abs=1e-6)
+    x = torch.randint(0, 200, (3, 16))
+    y = x.clone()
+    y[1, 5:] = -100  # a padded row counts its own targets only
+    assert torch.allclose(row_losses(model, x, y), torch.stack(
+        [model(x[r:r + 1], y[r:r + 1])[1] for r in range(3)]).detach(), atol=1e-5)

@@ -100,6 +100,26 @@ def test_skip_without_preproj_reads_x_hat():
         assert torch.allclose(blk(x, cos, sin), expected, atol=1e-6)
 
 
+def test_linear_preproj_drops_only_the_silu():
+    """The linear control: x_tilde = x_hat + W_down W_up x_hat, with the pre-projection's parameters and
+    initialisation; the plain pre-projection on the same weights differs (its SiLU)."""
+    shape = dict(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16, preproj=True, skip=True)
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(**shape))
+    torch.manual_seed(0)
+    linear = GPT(GPTConfig(**shape, preproj_linear=True))
+    assert linear.num_params("new") == plain.num_params("new")
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), linear.state_dict().values()))
+    blk = linear.blocks[0]
+    x_hat = torch.randn(2, 5, 16)
+    expected = x_hat + x_hat @ blk.w_up.weight.T @ blk.w_down.weight.T
+    with torch.no_grad():
+        assert torch.allclose(blk.pre_projection(x_hat), expected, atol=1e-6)
+        assert not torch.allclose(plain.blocks[0].pre_projection(x_hat), expected, atol=1e-6)
+    with pytest.raises(ValueError, match="needs preproj=True"):
+        GPTConfig(preproj_linear=True)
+
+
 @pytest.mark.parametrize("name,layers,heads,d,base,new", [
     ("pythia-160m", 12, 12, 768, 162_322_944, 24_772_608),
     ("pythia-410m", 24, 16, 1024, 405_334_016, 88_080_384),

@@ -57,6 +57,22 @@ def test_the_last_step_is_evaluated_once(micro_base, tmp_path, monkeypatch):
     assert len(calls) == 2 * 3  # two streams, each measured for the base, at step 2 and at step 4
 
 
+def test_validation_on_named_splits(micro_base, tmp_path, capsys):
+    """--val_splits replaces the data's held-out splits in the loop's record (the study's learning curves); an
+    unknown name stops at parse time in one line."""
+    out = tmp_path / "p"
+    run(f"--init_from {micro_base} --skip {MICRO} --max_iters 4 --eval_interval 2 --val_splits sotu_search "
+        f"--out_dir {out}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "sotu_search_loss" in r] == [2, 4]
+    assert not any("val_loss" in r for r in records)
+    with pytest.raises(SystemExit):
+        run(f"--init_from {micro_base} --skip {MICRO} --val_splits sotu_search,nope --out_dir {tmp_path / 'q'}")
+    assert "--val_splits: 'nope' is no held-out split; choose from val, val_books, sotu_search" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
+
+
 def test_resume_matches_uninterrupted_run(micro_base, tmp_path):
     common = f"--init_from {micro_base} --skip {MICRO} --max_iters 8 --ckpt_interval 2"
     run(f"{common} --out_dir {tmp_path / 'a'}")
@@ -114,6 +130,12 @@ def assert_one_line_error(proc, *words):
 def test_unknown_init_from(tmp_path):
     proc = cli("--init_from", "gpt-17", "--skip", "--out_dir", str(tmp_path / "x"))
     assert_one_line_error(proc, "unknown --init_from 'gpt-17'")
+    assert not (tmp_path / "x").exists()
+
+
+def test_linear_preproj_needs_preproj(tmp_path):
+    proc = cli("--init_from", "scratch", "--preproj_linear", "--out_dir", str(tmp_path / "x"))
+    assert_one_line_error(proc, "--preproj_linear changes the pre-projection; add --preproj")
     assert not (tmp_path / "x").exists()
 
 
