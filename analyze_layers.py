@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from matplotlib.ticker import MaxNLocator
 
+from data import text
 from data.prepare import HELDOUT_TEXT, heldout_stream, probe_data
 from data.sources import DataError, write_error
 from lab.checkpoint import ROOT, RUN_SETTINGS, CheckpointError, is_run_folder, load_model, read_checkpoint, run_name
@@ -188,16 +189,30 @@ def identity(arg: str, model: GPT, train_args: dict | None) -> tuple[str, str, s
 
 
 def heldout_of(train_args: dict | None, tokenizer) -> str:
-    """The held-out text in the domain the run trained on (a HELDOUT_TEXT key): WikiText validation for a WikiText
+    """The held-out text in the domain the run trained on (a HELDOUT_TEXT key, or the run's own --data path, whose
+    held-out part it is): WikiText validation for a WikiText
     probe, the `val` split for a probe on the embedded corpus (and for checkpoints whose training is unknown), the
     book's last chapters for a probe on its first, the held-out book for a model pre-trained from scratch on the
     books."""
     if not train_args:
         return "val"
+    if text.is_path(train_args.get("data", "auto")):  # your own text: its held-out part (data/text.py)
+        return train_args["data"]
     if train_args["init_from"] == "scratch":
         return "val_books"
     data = probe_data(train_args.get("data", "auto"), train_args["init_from"], tokenizer)
     return {"wikitext103": "wikitext", "books": "books_test"}.get(data, "val")
+
+
+def heldout_tokens(name: str, tokenizer, mirror: str | None) -> np.ndarray:
+    """A held-out text (heldout_of) as one token stream."""
+    if name in HELDOUT_TEXT:
+        return heldout_stream(name, tokenizer, mirror)
+    return text.load_parts(text.read_source(name), tokenizer)[0]["test"]
+
+
+def heldout_label(name: str) -> str:
+    return HELDOUT_TEXT.get(name, f"the held-out end of {name} (its `test` part)")
 
 
 def analyse(arg: str, args: argparse.Namespace, streams: dict) -> Analysis | None:
@@ -218,7 +233,7 @@ def analyse(arg: str, args: argparse.Namespace, streams: dict) -> Analysis | Non
     a.heldout = heldout_of(train_args, tokenizer)
     key = (tokenizer.to_str(), a.heldout)
     if key not in streams:
-        streams[key] = heldout_stream(a.heldout, tokenizer, args.mirror)
+        streams[key] = heldout_tokens(a.heldout, tokenizer, args.mirror)
     seq_len = min(args.seq_len, model.config.block_size)
     a.tokens = min(args.tokens, len(streams[key]) - 1) // seq_len * seq_len
     shares, a.heldout_loss = skip_shares(model, streams[key], seq_len, args.tokens, ctx)
@@ -266,7 +281,7 @@ def layer_table(a: Analysis) -> str:
     keys = [k for k in MEASURES if k in a.values]
     head = f"{a.label}: {a.n_layer} layers"
     if a.tokens:
-        head += f", held-out loss {a.heldout_loss:.4f} over {a.tokens:,} tokens of {HELDOUT_TEXT[a.heldout]}"
+        head += f", held-out loss {a.heldout_loss:.4f} over {a.tokens:,} tokens of {heldout_label(a.heldout)}"
     rows = [[str(i)] + [a.values[k][i] for k in keys] for i in range(a.n_layer)]
     rows.append(["init"] + [a.init.get(k) for k in keys])
     return head + "\n" + format_table(["layer"] + [MEASURES[k][0] for k in keys], rows)

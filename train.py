@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from data import batches, prepare
+from data import batches, prepare, text
 from data.sources import DataError
 from lab import checkpoint, cli, run_folder, run_report
 from lab.checkpoint import CheckpointError
@@ -64,10 +64,11 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the paper's precision: weights and AdamW state in bf16 with no fp32 master copy, LoRA "
                         "adapters in fp32 (on with --paper; --no-pure_bf16 keeps fp32 masters)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
-    g.add_argument("--data", default="auto", choices=["auto", "corpus", "books", "wikitext103"],
-                   help="probe text: the embedded corpus's State of the Union speeches (corpus), its held-out "
-                        "book's first chapters (books, the base's own domain), or the paper's WikiText-103 lines "
-                        "(needs network)")
+    g.add_argument("--data", default="auto",
+                   help="training text: your own (a UTF-8 file, a folder of *.txt or a pattern; data/text.py), or "
+                        "a built-in probe text: the embedded corpus's State of the Union speeches (corpus), its "
+                        "held-out book's first chapters (books, the base's own domain), the paper's WikiText-103 "
+                        "lines (wikitext103, needs network); auto: corpus, or wikitext103 for a Hub model")
     g.add_argument("--val_splits", type=cli.name_list, default=None,
                    help=f"held-out splits validated every --eval_interval, comma-separated from "
                         f"{', '.join(prepare.HELDOUT)} (default: those of --data)")
@@ -86,8 +87,9 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--eval_interval", type=cli.positive_int, default=50)
     g.add_argument("--eval_tokens", type=cli.positive_int, default=65536, help="validation tokens per evaluation")
     g.add_argument("--ckpt_interval", type=cli.positive_int, default=50)
-    g.add_argument("--eval_tasks", type=cli.name_list, default="lambada,wikitext,hellaswag",
-                   help="benchmarks at the end for base and trained model ('none' to skip)")
+    g.add_argument("--eval_tasks", type=cli.name_list, default=None,
+                   help="benchmarks at the end for base and trained model ('none' to skip; default "
+                        "lambada,wikitext,hellaswag, none for your own --data text)")
     g.add_argument("--hellaswag_limit", type=cli.nonneg_int, default=500, help="HellaSwag items at the end (0 = all)")
     g = p.add_argument_group("model shape (scratch only; the default is the embedded base's)")
     for name in ("n_layer", "n_head", "n_embd", "block_size"):
@@ -97,6 +99,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.n_embd % args.n_head:
         p.error(f"--n_embd {args.n_embd} is not divisible by --n_head {args.n_head}")
+    if args.eval_tasks is None:
+        args.eval_tasks = "none" if text.is_path(args.data) else "lambada,wikitext,hellaswag"
     unknown = [n for n in (args.val_splits or "").split(",") if n and n not in prepare.HELDOUT]
     if unknown:
         p.error(f"--val_splits: {unknown[0]!r} is no held-out split; choose from {', '.join(prepare.HELDOUT)}")
@@ -155,6 +159,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     train_data: object
     vals: dict[str, np.ndarray]
+    data_source: dict | None  # your own --data text: its files' sha256, the split, each part's tokens
     base_ref: dict | None  # what a probe re-attaches to
     base_model: GPT | None  # the untouched base, for side-by-side numbers at the end
     probe: bool
@@ -185,13 +190,15 @@ def train(args: argparse.Namespace) -> tuple[GPT, dict]:
         check_probe(model)
         model.freeze_base()  # the frozen probe: from here on only the new parameters learn
     s = resolve_settings(args, model.config.block_size, device)
-    train_data, vals = batches.load_data(s.init_from, s.data, s.seq_len, tokenizer, s.mirror, s.val_splits)
+    train_data, vals, data_source = batches.load_data(s.init_from, s.data, s.seq_len, tokenizer, s.mirror,
+                                                      s.val_splits)
     check_lengths(s, model, vals)
     put_on_device(s, model, base_model, device)
     optimizer = make_optimizer(model, s)
-    step = restore(s, out_dir, model, optimizer, probe, base_ref, device) if s.resume else 0
+    step = restore(s, out_dir, model, optimizer, probe, base_ref, data_source, device) if s.resume else 0
     run = Run(settings=s, out_dir=out_dir, model=model, step_model=objective(model, s, world), tokenizer=tokenizer,
-              optimizer=optimizer, train_data=train_data, vals=vals, base_ref=base_ref, base_model=base_model,
+              optimizer=optimizer, train_data=train_data, vals=vals, data_source=data_source, base_ref=base_ref,
+              base_model=base_model,
               probe=probe, rank=rank, world=world, device=device, ctx=autocast(device, DTYPES[s.dtype]),
               step=step, saved_step=step if s.resume else None)
     with run_folder.lock_run_folder(out_dir) if run.master else nullcontext():
@@ -237,9 +244,9 @@ def train_loop(run: Run, log: TextIO | None) -> None:
             tokens += int((y != -100).sum()) * run.world
             signum = run_folder.stop_signal(received, run.device)
             if run.master:
-                if run.step % s.ckpt_interval == 0 or run.step in (s.max_iters, s.stop_at) or signum:
-                    save_checked(run)  # first, so that whatever fails after it loses no training
                 record = {"step": run.step, "loss": loss, "lr": lr, "tok_per_s": round(tokens / (time.time() - t0))}
+                if run.step % s.ckpt_interval == 0 or run.step in (s.max_iters, s.stop_at) or signum:
+                    save_checked(run, record)  # first, so that whatever fails after it loses no training
                 if run.step % s.eval_interval == 0 or run.step == s.max_iters:
                     record.update({f"{n}_loss": v for n, v in trained_val_losses(run).items()})
                 run_folder.append_metrics(log, record)
@@ -273,16 +280,17 @@ def accumulate_gradients(run: Run, x: torch.Tensor, y: torch.Tensor, n_tokens: i
     return loss_sum.item()
 
 
-def save_checked(run: Run) -> None:
+def save_checked(run: Run, record: dict) -> None:
     """A checkpoint, only of weights that are finite and give a finite loss on the next batch: the kept checkpoint
-    is always one that training can continue from."""
+    is always one that training can continue from. It keeps the step's metrics record too, which a resume logs if
+    a kill came before the record's own line."""
     trained = [p for p in run.model.parameters() if p.requires_grad]
     problem = run_folder.non_finite(trained, lambda: next_batch_loss(run))
     if problem:
         raise diverged(f"the weights after step {run.step} {problem}", run.out_dir, run.saved_step)
+    extra = {"train_args": vars(run.settings), "data_source": run.data_source, "record": record}
     checkpoint.save_checkpoint(run.out_dir, run.model, probe=run.probe, base_ref=run.base_ref, step=run.step,
-                               optimizer_state=run.optimizer.state_dict(), extra={"train_args": vars(run.settings)},
-                               tokenizer=run.tokenizer)
+                               optimizer_state=run.optimizer.state_dict(), extra=extra, tokenizer=run.tokenizer)
     run.saved_step = run.step
 
 
@@ -311,8 +319,11 @@ def build_model(args: argparse.Namespace) -> tuple[GPT, Tokenizer, dict | None, 
     """(the model with its switches, its tokenizer, the base reference, the untouched base for comparison)."""
     switches = cli.switches_of(args)
     if args.init_from == "scratch":
-        prepare.prepare_nano(args.mirror)
-        tokenizer = read_tokenizer(str(prepare.NANO_DATA / "tokenizer.json"))
+        if text.is_path(args.data):  # a tokenizer trained on the text, as the embedded base's is on its corpus
+            tokenizer = text.own_tokenizer(text.read_source(args.data))
+        else:
+            prepare.prepare_nano(args.mirror)
+            tokenizer = read_tokenizer(str(prepare.NANO_DATA / "tokenizer.json"))
         model = GPT(GPTConfig(vocab_size=tokenizer.get_vocab_size(), block_size=args.block_size,
                               n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, **switches))
         return model, tokenizer, None, None
@@ -350,12 +361,17 @@ def objective(model: GPT, s: Settings, world: int) -> torch.nn.Module:
 
 
 def restore(s: Settings, out_dir: Path, model: GPT, optimizer: torch.optim.Optimizer, probe: bool,
-            base_ref: dict | None, device: str) -> int:
+            base_ref: dict | None, data_source: dict | None, device: str) -> int:
     """A resumed run's weights and optimizer state from its checkpoint (a probe only onto the very base it was
-    trained on); returns its step."""
+    trained on, any run only on the very text it was trained on); returns its step."""
     saved = checkpoint.read_checkpoint(out_dir)
     if probe:
         checkpoint.check_base(saved["base"], base_ref["sha256"], out_dir)
+    was = (saved.get("data_source") or {}).get("sha256")
+    if data_source and was != data_source["sha256"]:
+        raise SystemExit(f"error: --resume: the text of --data {s.data} changed since {out_dir} started training on "
+                         f"it (sha256 {str(was)[:12]}, now {data_source['sha256'][:12]}); restore it, or train anew "
+                         f"in another --out_dir")
     model.load_state_dict({k: v.to(device) for k, v in saved["model"].items()}, strict=not probe)
     optimizer.load_state_dict(saved["optimizer"])
     if s.stop_at and s.stop_at <= saved["step"]:

@@ -9,23 +9,31 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from data import prepare
+from data import prepare, text
 
 
 def load_data(init_from: str, data: str, seq_len: int, tokenizer: Tokenizer, mirror: str | None = None,
-              val_splits: str | None = None) -> tuple[np.ndarray | list[np.ndarray], dict[str, np.ndarray]]:
-    """(training data, {validation name: token stream}) of a run: pre-training reads the corpus's pre-training
-    split; a probe reads the text --data names (prepare.probe_data), as a stream or as documents. Validation is
-    on the held-out splits of that text, or on val_splits (comma-separated prepare.HELDOUT names) when given."""
-    if init_from == "scratch":
+              val_splits: str | None = None) -> tuple[np.ndarray | list[np.ndarray], dict[str, np.ndarray],
+                                                      dict | None]:
+    """(training data, {validation name: token stream}, the record of your own text or None) of a run: pre-training
+    reads the corpus's pre-training split; a probe reads the text --data names (prepare.probe_data), as a stream or
+    as documents; a --data path, your own text's parts (data/text.py) for either. Validation is on the held-out
+    splits of that text, or on val_splits (comma-separated prepare.HELDOUT names) when given."""
+    record, own, heldout = None, {}, ()
+    if text.is_path(data):
+        streams, record = text.load_parts(text.read_source(data), tokenizer)
+        text.check_sizes(record, seq_len)
+        train, own = streams["train"], {"val": streams["val"]}
+    elif init_from == "scratch":
         train, heldout = prepare.load_nano_split("pretrain"), ("val_books",)
     else:
         data = prepare.probe_data(data, init_from, tokenizer)
         train_split, heldout = prepare.PROBE_SPLITS.get(data, prepare.PROBE_SPLITS["corpus"])
         train = (prepare.wikitext103_probe_lines(tokenizer, max_tokens=seq_len) if data == "wikitext103"
                  else prepare.split_tokens(train_split, tokenizer, mirror))
-    names = [n for n in val_splits.split(",") if n] if val_splits else heldout
-    return train, {name: prepare.split_tokens(name, tokenizer, mirror) for name in names}
+    if val_splits:
+        own, heldout = {}, [n for n in val_splits.split(",") if n]
+    return train, {**own, **{n: prepare.split_tokens(n, tokenizer, mirror) for n in heldout}}, record
 
 
 def global_batch(data, step: int, rows: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from data import text
 from data.sources import fetch, write_atomic
 from load_pythia import hf_folder, load_pythia, load_tokenizer, read_tokenizer
 from model import GPT, SWITCHES, GPTConfig
@@ -53,7 +54,8 @@ def run_name(settings: dict) -> str:
     init = settings["init_from"]
     parts = ["scratch" if init == "scratch" else Path(init.rstrip("/")).name]
     parts += [s for s in ("preproj", "preproj_linear", "skip") if settings.get(s)]
-    parts += [settings["data"]] if settings.get("data", "auto") != "auto" else []
+    data = settings.get("data", "auto")
+    parts += [text.source_name(data) if text.is_path(data) else data] if data != "auto" else []
     parts += [f"lora{settings['lora_rank']}"] if settings.get("lora_rank") else []
     parts += [f"adapter{settings['adapter_dim']}"] if settings.get("adapter_dim") else []
     parts += ["fullft"] if settings.get("full_finetune") else []

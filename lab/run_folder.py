@@ -69,12 +69,16 @@ def lock_run_folder(folder: Path) -> Iterator[None]:
 def claim_folder(folder: Path, resume: bool, step: int) -> TextIO:
     """Holding the folder's lock: check again that a new run finds no run there (another may have finished into
     it meanwhile), remove stale temporaries, write config.json anew from the checkpoint (a kill may have cut the
-    first save short), and open metrics.jsonl cut back to `step`."""
+    first save short), and open metrics.jsonl cut back to `step`, completed with the checkpoint's own record of
+    that step when a kill came between the checkpoint and its line."""
     refuse_existing_run(folder, resume)
     clean_temporaries(folder)
+    saved_record = None
     if resume:
-        save_run_file(folder, "config.json", model_card(read_checkpoint(folder, mmap=True)))
-    return open_metrics(folder, step)
+        ckpt = read_checkpoint(folder, mmap=True)
+        save_run_file(folder, "config.json", model_card(ckpt))
+        saved_record = ckpt.get("record")
+    return open_metrics(folder, step, saved_record)
 
 
 def clean_temporaries(folder: Path) -> None:
@@ -83,19 +87,25 @@ def clean_temporaries(folder: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def open_metrics(folder: Path, step: int) -> TextIO:
+def open_metrics(folder: Path, step: int, saved_record: dict | None = None) -> TextIO:
     """metrics.jsonl for appending, cut back to the records up to `step`: the checkpoint a run resumes from, or 0
-    for a new run, which starts it afresh. So no step is logged twice and no other run's records remain."""
+    for a new run, which starts it afresh. So no step is logged twice and no other run's records remain. The
+    checkpoint's step itself is logged even when a kill came before its line: from saved_record, the checkpoint's
+    copy (without the validation losses measured after it)."""
     path = Path(folder) / "metrics.jsonl"
-    kept = []
+    kept, last = [], 0
     if step and path.is_file():
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
-                if json.loads(line)["step"] > step:
+                last_here = json.loads(line)["step"]
+                if last_here > step:
                     break
             except (ValueError, KeyError, TypeError):  # a line cut short by a kill: it and what follows go
                 break
             kept.append(line + "\n")
+            last = last_here
+    if step and last < step and saved_record and saved_record.get("step") == step:
+        kept.append(json.dumps(saved_record) + "\n")
     write_atomic(path, "".join(kept))
     return open(path, "a", encoding="utf-8")
 
