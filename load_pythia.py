@@ -2,8 +2,8 @@
 Hugging Face GPT-NeoX checkpoints (Pythia) <-> our GPT, and Pythia's tokenizer. The only file that knows HF names.
 
     model = load_pythia("pythia-160m", preproj=True)      # a Hub name or a local Hugging Face folder
-    save_hf_folder(model, tokenizer, "out/run-hf")        # back to a Hugging Face folder (any model without the
-                                                          # research switches)
+    save_hf_folder(model, tokenizer, "out/run-hf")        # back to a GPT-NeoX folder (any model whose blocks
+                                                          # GPT-NeoX holds; tools/export.py writes the others)
 
 A loader, imported by the library (lab.checkpoint) and by nothing below it: it imports only model and data. The
 commands that use it are `python sample.py --init_from pythia-160m --prompt "..."` (generation from any Hub name or
@@ -238,9 +238,8 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     c = model.config
     if c.preproj or c.skip or c.adapter_dim:
         raise ValueError("pre-projection and the content skip (and the capacity adapter) change the block, so no "
-                         "GPT-NeoX folder can hold this model; evaluate it with lm-evaluation-harness through our "
-                         "adapter instead: python -m tools.harness --init_from <this model> --tasks <tasks> "
-                         "(docs/harness.md)")
+                         "GPT-NeoX folder can hold this model; python -m tools.export writes it with its own "
+                         "modelling code (docs/harness.md)")
     if not c.bias:  # GPT-NeoX's MLP always has biases
         raise ValueError("a model without biases has no GPT-NeoX form")
     merged = {f"{name}.weight": m.merged_weight() for name, m in model.named_modules()
@@ -258,25 +257,31 @@ def free_folder(folder: str) -> Path:
 
 def save_hf_folder(model: GPT, tokenizer: Tokenizer, folder: str) -> None:
     """A folder that transformers' AutoModelForCausalLM and AutoTokenizer load (and lm-eval's `--model hf`):
-    config.json, model.safetensors, tokenizer.json, tokenizer_config.json, special_tokens_map.json.
-
-    Everything is checked, then written into a hidden folder beside the target and renamed to it, so a failure
-    leaves nothing behind.
-    """
+    config.json, model.safetensors, tokenizer.json, tokenizer_config.json, special_tokens_map.json."""
     from safetensors.torch import save_file
 
     target = free_folder(folder)
     state = hf_state_dict(model)
-    eot = tokenizer.token_to_id(EOT)
-    special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT} if eot is not None else {}
     dtype = str(model.wte.weight.dtype).removeprefix("torch.")
-    files = {"config.json": json.dumps({**hf_config(model.config, eot), "dtype": dtype}, indent=2),
-             "model.safetensors": lambda path: save_file(state, str(path), metadata={"format": "pt"}),
-             "tokenizer.json": tokenizer.to_str(),
-             # the generic fast tokenizer reads tokenizer.json as it is (Pythia's own folders name GPTNeoXTokenizer)
-             "tokenizer_config.json": json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **special,
-                                                  "model_max_length": model.config.block_size}, indent=2),
-             "special_tokens_map.json": json.dumps(special, indent=2)}
+    config = {**hf_config(model.config, tokenizer.token_to_id(EOT)), "dtype": dtype}
+    write_folder(target, {"config.json": json.dumps(config, indent=2),
+                          "model.safetensors": lambda path: save_file(state, str(path), metadata={"format": "pt"}),
+                          **tokenizer_files(tokenizer, model.config.block_size)})
+
+
+def tokenizer_files(tokenizer: Tokenizer, block_size: int) -> dict[str, str]:
+    """The tokenizer files of a Hugging Face folder, which AutoTokenizer reads as the generic fast tokenizer (Pythia's
+    own folders name GPTNeoXTokenizer)."""
+    special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT} if tokenizer.token_to_id(EOT) is not None else {}
+    return {"tokenizer.json": tokenizer.to_str(),
+            "tokenizer_config.json": json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **special,
+                                                 "model_max_length": block_size}, indent=2),
+            "special_tokens_map.json": json.dumps(special, indent=2)}
+
+
+def write_folder(target: Path, files: dict) -> None:
+    """Files (text, or a function that writes to a path) into a new folder, whole or not at all: written into a
+    hidden folder beside the target, then renamed to it, so a failure leaves nothing behind."""
     tmp = target.with_name(f".{target.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # the remains of an export that was killed
     tmp.mkdir(parents=True)

@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -296,17 +297,137 @@ def test_export_merges_lora(tiny, tmp_path):
     assert diff <= LOGIT_TOL
 
 
-def test_export_refuses_what_gpt_neox_cannot_hold(probe, tiny, tmp_path, capsys):
-    out = tmp_path / "hf"
-    with pytest.raises(SystemExit, match=r"^error: pre-projection and the content skip \(and the capacity adapter\) "
-                                         r".* python -m tools\.harness --init_from"):
-        export.main(["--init_from", probe, "--out", str(out)])
+def test_export_refuses_a_used_folder_and_weights_that_are_not_finite(probe, tiny, tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
     with pytest.raises(SystemExit, match="^error: .*taken already exists and is not empty"):
         export.main(["--init_from", tiny[0], "--out", str(tmp_path / "taken")])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # nothing half-written, no temp folder left
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+    diverged = tmp_path / "diverged"
+    shutil.copytree(probe, diverged)
+    ckpt = torch.load(diverged / "ckpt.pt", weights_only=True)
+    next(v for k, v in ckpt["model"].items() if "w_skip" in k)[0, 0] = float("nan")
+    torch.save(ckpt, diverged / "ckpt.pt")
+    with pytest.raises(SystemExit, match="^error: .*holds weights that are not finite .*nothing to export$"):
+        export.main(["--init_from", str(diverged), "--out", str(tmp_path / "nan-hf")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diverged", "taken"]  # nothing half-written, no temp
+
+
+# --- every switch out: a remote-code folder that runs this project's model.py ---
+
+def randomised(folder: str, **switches):
+    """The tiny base with switches on, their new parameters drawn large enough to matter."""
+    torch.manual_seed(0)
+    model, tok, ref = load_model(folder, **switches)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if model.is_new(name):
+                p.normal_(0.0, 0.05)
+    return model.eval(), tok, ref
+
+
+@torch.no_grad()
+def remote_logits(folder, x: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True).eval()(x).logits
+
+
+@pytest.mark.parametrize("switches", [
+    dict(preproj=True), dict(skip=True), dict(preproj=True, skip=True),
+    dict(preproj=True, preproj_linear=True, skip=True), dict(adapter_dim=24), dict(skip=True, adapter_dim=80),
+    dict(preproj=True, skip=True, lora_rank=4),
+])
+def test_every_switch_exports_as_remote_code_with_our_logits(tiny, tmp_path, switches):
+    model, tok, ref = randomised(tiny[0], **switches)
+    out = tmp_path / "hf"
+    export.save_remote_code_folder(model, tok, ref, out)
+    x = torch.randint(0, 50304, (2, WINDOW))
+    with torch.no_grad():
+        ours, plain = model(x)[0], tiny[1](x)[0]
+    assert (ours - plain).abs().max().item() > 1e-2  # the switches really change the model
+    diff = (remote_logits(out, x) - ours).abs().max().item()
+    print(f"remote-code export {switches}: max |dlogit| = {diff:.2e}")
+    assert diff <= 1e-5
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_preproj.PreprojForCausalLM"
+    assert config["base"] == ref and {k: config["gpt"][k] for k in switches} == switches
+
+
+def test_the_exported_code_is_this_projects_model_py(tiny, tmp_path):
+    """The folder's model is model.py itself, and its wrapper tools/hf_remote.py but for the one import, so the
+    export and the model cannot drift apart."""
+    model, tok, ref = randomised(tiny[0], skip=True)
+    export.save_remote_code_folder(model, tok, ref, tmp_path / "hf")
+    assert (tmp_path / "hf" / "preproj_model.py").read_text() == (Path(ROOT) / "model.py").read_text()
+    wrapper = (Path(ROOT) / "tools" / "hf_remote.py").read_text()
+    exported = (tmp_path / "hf" / "modeling_preproj.py").read_text()
+    assert exported == wrapper.replace(export.LOCAL_IMPORT, export.FOLDER_IMPORT) and exported != wrapper
+
+
+def test_remote_code_generates_and_refuses_left_padding(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, tok, ref = randomised(tiny[0], preproj=True, skip=True)
+    export.save_remote_code_folder(model, tok, ref, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
+    prompt = torch.tensor([tok.encode("The king said that").ids])
+    theirs = hf.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(theirs, model.generate(prompt, 6, temperature=0))
+    with pytest.raises(ValueError, match="left padding is not supported"):
+        hf(prompt, attention_mask=torch.tensor([[0] + [1] * (prompt.size(1) - 1)]))
+
+
+def test_lm_eval_hf_on_an_exported_probe_scores_as_we_do(probe, tmp_path, mirror):
+    """lm-eval's own `--model hf` (HFLM, trust_remote_code=True) on the export of a pre-proj + skip probe gives
+    our per-item log-likelihoods."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    out = tmp_path / "probe-hf"
+    export.main(["--init_from", probe, "--out", str(out)])
+    model, tok, _ = load_model(probe)
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(benchmarks.lambada(mirror)[:4])]
+    theirs = HFLM(pretrained=str(out), device="cpu", batch_size=4, trust_remote_code=True).loglikelihood(requests)
+    ours = harness.HarnessLM(model, tok).loglikelihood(requests)
+    diff = max_diff([lp for lp, _ in theirs], [lp for lp, _ in ours])
+    print(f"lm-eval HFLM on the exported pre-proj + skip probe vs our adapter: max |dlogprob| = {diff:.2e}")
+    assert diff <= 1e-4 and [g for _, g in theirs] == [g for _, g in ours]
+
+
+# --- a LoRA probe as a peft adapter beside its base ---
+
+def test_lora_probe_exports_as_a_peft_adapter(tiny, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny[0]
+    model, tok, ref = randomised(folder, lora_rank=4)
+    probe = tmp_path / "lora-probe"
+    save_checkpoint(probe, model, probe=True, base_ref=ref, step=1, optimizer_state=None, extra={}, tokenizer=tok)
+    out = tmp_path / "adapter"
+    export.main(["--init_from", str(probe), "--out", str(out), "--peft"])
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(Path(folder).resolve()) and config["r"] == 4
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), str(out)).eval()
+    x = torch.randint(0, 50304, (2, WINDOW))
+    with torch.no_grad():
+        ours = model(x)[0]
+        diff = (peft_model(x).logits - ours).abs().max().item()
+        assert (ours - tiny[1](x)[0]).abs().max().item() > 1e-2  # LoRA really changes the model
+    print(f"peft adapter export: max |dlogit| = {diff:.2e}")
+    assert diff <= 1e-5
+
+
+def test_peft_export_names_a_hub_base_and_refuses_what_it_cannot_hold(probe, tmp_path):
+    assert export.peft_base({"init_from": "pythia-160m@step1000"}) == ("EleutherAI/pythia-160m", "step1000")
+    assert export.peft_base({"init_from": "EleutherAI/pythia-410m"}) == ("EleutherAI/pythia-410m", None)
+    with pytest.raises(ValueError, match="a peft adapter needs a Hugging Face base; export the base first"):
+        export.peft_base({"init_from": "nano"})
+    with pytest.raises(SystemExit, match=r"^error: --peft exports a LoRA probe \(--lora_rank\) with no other switch"):
+        export.main(["--init_from", probe, "--out", str(tmp_path / "adapter"), "--peft"])
+    assert not (tmp_path / "adapter").exists()
 
 
 def test_exported_micro_base_is_complete_and_runs_in_lm_eval(micro_base, tmp_path, mirror):
