@@ -1,7 +1,9 @@
 """Layer analysis and sampling: known values on hand-built models, the figures, bad inputs."""
 
 import csv
+import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -69,6 +71,31 @@ def test_scaled_skip_scales_norm_and_share():
     # layer 0's x and attn_out do not depend on its own W_skip, so its shares scale exactly
     for key in ("share_attn", "share_x"):
         assert scaled[key][0] == pytest.approx(3 * shares[key][0], rel=1e-5)
+
+
+def test_the_hook_recipe_of_docs_layers_reads_and_patches_one_layers_skip():
+    """docs/layers.md's recipe, run as written: read_skip gives W_skip x_tilde of that layer, and patching it to
+    zero gives the logits of the model with that one W_skip zeroed."""
+    text = (Path(analyze_layers.ROOT) / "docs" / "layers.md").read_text()
+    recipe = re.search(r"## One layer's skip.*?```python\n(.*?)```", text, re.S).group(1)
+    scope: dict = {}
+    exec(recipe, scope)
+    model = hand_built(preproj=True, skip=True)
+    with torch.no_grad():
+        model.blocks[1].w_skip.weight.normal_(0.0, 0.3)
+    idx = torch.from_numpy(STREAM[:20].astype(np.int64))[None]
+    x_tilde = []
+    handle = model.blocks[1].attn.register_forward_hook(lambda m, args, out: x_tilde.append(args[0]))
+    with torch.no_grad():
+        logits = model(idx)[0]
+    handle.remove()
+    read = scope["read_skip"](model, 1, idx)
+    assert torch.allclose(read, x_tilde[0] @ model.blocks[1].w_skip.weight.T, atol=1e-6)
+    patched = scope["patched_logits"](model, 1, idx, torch.zeros_like)
+    with torch.no_grad():
+        model.blocks[1].w_skip.weight.zero_()
+        assert torch.allclose(patched, model(idx)[0], atol=1e-6) and not torch.allclose(patched, logits, atol=1e-3)
+    assert not model.blocks[1].w_skip._forward_hooks  # both hooks removed
 
 
 def test_trend_is_last_quarter_over_the_rest():
