@@ -443,6 +443,8 @@ def announce(run: Run) -> None:
         print(f"{s.dtype} compute{' (the paper precision)' if s.pure_bf16 else ''} on {run.device} x{run.world}: "
               f"{'probe' if run.probe else 'training'} {run.model.num_params('trainable'):,} of "
               f"{run.model.num_params():,} parameters; {s.batch_size} x {s.seq_len} tokens per step -> {run.out_dir}")
+        if run.base_ref and run.base_ref.get("revision"):
+            print(f"base: {checkpoint.pinned_name(run.base_ref)} (the Hub commit it resolved to)")
 
 
 def final_report(run: Run, base_losses: dict) -> dict:

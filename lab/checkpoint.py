@@ -133,8 +133,8 @@ def load_model(init_from: str, *, mirror: str | None = None, **switches) -> tupl
         return _load_run(folder, switches, mirror)
     if folder.is_dir() or init_from.startswith(("pythia-", "EleutherAI/")):
         try:
-            model = load_pythia(init_from, **switches)
-            hf_dir = hf_folder(init_from)
+            hf_dir = hf_folder(init_from)  # resolved once: a Hub name is one download, its commit known
+            model = load_pythia(hf_dir, **switches)
         except (ValueError, FileNotFoundError, OSError) as e:
             raise CheckpointError(f"cannot load {init_from}: {e}") from e
         tok_path = Path(hf_dir) / "tokenizer.json"
@@ -142,7 +142,10 @@ def load_model(init_from: str, *, mirror: str | None = None, **switches) -> tupl
             tok = load_tokenizer(str(tok_path if tok_path.exists() else fetch("tokenizers/20B_tokenizer.json", mirror)))
         except (ValueError, OSError) as e:
             raise CheckpointError(str(e)) from e
-        return model, tok, {"init_from": portable_name(init_from), "sha256": weights_sha256(model)}
+        ref = {"init_from": portable_name(init_from), "sha256": weights_sha256(model)}
+        if not folder.is_dir():  # a Hub snapshot's folder is named by the commit it holds
+            ref["revision"] = Path(hf_dir).name
+        return model, tok, ref
     raise CheckpointError(f"unknown --init_from {init_from!r}: expected nano, scratch, a Pythia name like "
                           f"pythia-160m, a Hugging Face folder, or a run folder")
 
@@ -170,6 +173,13 @@ def portable_name(init_from: str) -> str:
         return init_from
     path = Path(init_from).resolve()
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def pinned_name(ref: dict) -> str:
+    """A base reference as a name that loads those very weights: a Hub name with the commit it resolved to
+    (name@revision), anything else as recorded."""
+    name, revision = ref["init_from"], ref.get("revision")
+    return f"{name.split('@')[0]}@{revision}" if revision else name
 
 
 def base_location(name: str) -> str:
@@ -209,7 +219,7 @@ def _load_run(folder: Path, switches: dict, mirror: str | None) -> tuple[GPT, To
     probe_config = GPTConfig(**ckpt["config"])  # a switch newer than the checkpoint takes its default (off)
     probe_switches = {k: getattr(probe_config, k) for k in SWITCHES}
     try:
-        model, _, _ = load_model(base_location(base_ref["init_from"]), **probe_switches, mirror=mirror)
+        model, _, _ = load_model(base_location(pinned_name(base_ref)), **probe_switches, mirror=mirror)
     except CheckpointError as e:
         raise CheckpointError(f"the probe {folder} cannot load its base {base_ref['init_from']!r}: {e}") from e
     check_base(base_ref, weights_sha256(model), folder)

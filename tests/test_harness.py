@@ -420,6 +420,29 @@ def test_lora_probe_exports_as_a_peft_adapter(tiny, tmp_path):
     assert diff <= 1e-5
 
 
+def test_a_hub_base_records_the_commit_it_resolved_to(tiny, tmp_path, monkeypatch):
+    """A Hub name is downloaded once per load; the snapshot's commit goes into the base reference, a probe
+    re-attaches to that very commit, and the probe's peft adapter names it."""
+    import huggingface_hub
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "snapshots" / commit
+    shutil.copytree(tiny[0], snapshot)
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, revision=None, allow_patterns=None: calls.append((repo, revision)) or
+                        str(snapshot))
+    model, tok, ref = load_model("pythia-tiny", lora_rank=4)
+    assert calls == [("EleutherAI/pythia-tiny", None)] and ref["revision"] == commit
+    probe = tmp_path / "probe"
+    save_checkpoint(probe, model, probe=True, base_ref=ref, step=1, optimizer_state=None, extra={}, tokenizer=tok)
+    load_model(str(probe))
+    assert calls[-1] == ("EleutherAI/pythia-tiny", commit)  # the probe's base, pinned to its commit
+    export.main(["--init_from", str(probe), "--out", str(tmp_path / "adapter"), "--peft"])
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["base_model_name_or_path"], config["revision"]) == ("EleutherAI/pythia-tiny", commit)
+
+
 def test_peft_export_names_a_hub_base_and_refuses_what_it_cannot_hold(probe, tmp_path):
     assert export.peft_base({"init_from": "pythia-160m@step1000"}) == ("EleutherAI/pythia-160m", "step1000")
     assert export.peft_base({"init_from": "EleutherAI/pythia-410m"}) == ("EleutherAI/pythia-410m", None)
