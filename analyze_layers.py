@@ -21,6 +21,7 @@ last quarter of layers over the first three quarters) and the paper's (the last 
 
 import argparse
 import csv
+import io
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from matplotlib.ticker import MaxNLocator
 
 from data import text
 from data.prepare import HELDOUT_TEXT, heldout_stream, probe_data
-from data.sources import DataError, write_error
+from data.sources import DataError, write_atomic, write_error
 from lab.checkpoint import ROOT, RUN_SETTINGS, CheckpointError, is_run_folder, load_model, read_checkpoint, run_name
 from lab.cli import ArgumentParser, device, format_table, out_folder, positive_int
 from lab.evaluation import val_loss
@@ -293,15 +294,21 @@ def depth_axis(n_layer: int, fraction: bool) -> np.ndarray:
     return layers / max(1, n_layer - 1) if fraction else layers
 
 
+def save_figure(fig, path: Path, dpi: int) -> None:
+    """A PNG written atomically: a full disk leaves the previous figure whole, never a truncated one."""
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=dpi))
+
+
 def write_csv(path: Path, analyses: list[Analysis]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["checkpoint", "n_layer", "layer", "depth_fraction", "heldout_text", "heldout_loss", *MEASURES])
-        for a in analyses:
-            for i, frac in enumerate(depth_axis(a.n_layer, True)):
-                cells = [f"{a.values[k][i]:.6g}" if k in a.values else "" for k in MEASURES]
-                w.writerow([a.path, a.n_layer, i, f"{frac:.4f}", a.heldout,
-                            f"{a.heldout_loss:.6g}" if a.tokens else "", *cells])
+    f = io.StringIO(newline="")
+    w = csv.writer(f)
+    w.writerow(["checkpoint", "n_layer", "layer", "depth_fraction", "heldout_text", "heldout_loss", *MEASURES])
+    for a in analyses:
+        for i, frac in enumerate(depth_axis(a.n_layer, True)):
+            cells = [f"{a.values[k][i]:.6g}" if k in a.values else "" for k in MEASURES]
+            w.writerow([a.path, a.n_layer, i, f"{frac:.4f}", a.heldout,
+                        f"{a.heldout_loss:.6g}" if a.tokens else "", *cells])
+    write_atomic(path, f.getvalue())  # a full disk leaves the previous file whole
 
 
 def plot_measure(ax, key: str, series: list[Analysis], fraction: bool) -> None:
@@ -349,14 +356,14 @@ def save_figures(out: Path, series: list[Analysis], fraction: bool) -> list[Path
     fig.suptitle("How much each layer uses the content skip", fontsize=14)
     fig.tight_layout()
     paths = [out / "layers.png"]
-    fig.savefig(paths[0], dpi=110)
+    save_figure(fig, paths[0], dpi=110)
     plt.close(fig)
     for key in keys:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         plot_measure(ax, key, series, fraction)
         fig.tight_layout()
         paths.append(out / f"layers_{key}.png")
-        fig.savefig(paths[-1], dpi=110)
+        save_figure(fig, paths[-1], dpi=110)
         plt.close(fig)
     return paths
 
@@ -406,8 +413,10 @@ def main(argv: list[str] | None = None) -> list[Analysis]:
         out.mkdir(parents=True, exist_ok=True)
         write_csv(out / "layers.csv", analyses)
         figures = save_figures(out, series, fraction)
-    except OSError as e:  # e.g. a full disk
+    except OSError as e:  # the folder cannot be made
         raise SystemExit(f"error: {write_error(out, e)}")
+    except DataError as e:  # a file cannot be written (a full disk): the previous one is left whole
+        raise SystemExit(f"error: {e}")
     print(f"wrote {out / 'layers.csv'} and {len(figures)} figures: {', '.join(p.name for p in figures)}")
     return analyses
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from data.sources import DataError
 from lab.checkpoint import CheckpointError, load_model, save_run_file
 from lab.cli import ArgumentParser, add_model_args, name_list, out_file, positive_int, results_table, switches_of
-from lab.evaluation import TASKS, check_request, evaluate, items_jsonl, items_path
+from lab.evaluation import TASKS, check_request, evaluate, items_entry, items_jsonl, items_path
 from lab.precision import dtype_name, for_inference, resolve_dtype
 from model import SWITCHES
 
@@ -52,16 +52,18 @@ def main(argv: list[str] | None = None) -> dict:
     print(results_table(results))
     config = {k: getattr(args, k) for k in ("init_from", *SWITCHES, "device", "dtype", "protocol", "limit",
                                              "batch_size", "mirror")}
-    report = {"config": {**config, "tasks": tasks, "base": base_ref}, "results": results}
     out = Path(args.out)
-    save_run_file(out.parent, items_path(out).name, items_jsonl(items))
-    save_run_file(out.parent, out.name, report)
+    text = items_jsonl(items)
+    report = {"config": {**config, "tasks": tasks, "base": base_ref}, "results": results,
+              "items": items_entry(out, text)}
+    try:
+        save_run_file(out.parent, items_path(out).name, text)  # first: the summary names what it was written with
+        save_run_file(out.parent, out.name, report)
+    except DataError as e:  # the results could not be written (e.g. a full disk)
+        raise SystemExit(f"error: {e}")
     print(f"wrote {out} and {items_path(out)} ({len(items)} items)")
     return report
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DataError as e:  # the results could not be written (e.g. a full disk)
-        raise SystemExit(f"error: {e}")
+    main()

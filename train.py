@@ -182,6 +182,7 @@ def train(args: argparse.Namespace) -> tuple[GPT, dict]:
     rank, world, device = cli.setup_distributed(args.device)
     check_request(args, world)
     out_dir = run_dir(args)
+    refuse_input_as_output(args, out_dir)
     run_folder.refuse_existing_run(out_dir, args.resume)
     torch.manual_seed(args.seed)
     model, tokenizer, base_ref, base_model = build_model(args)
@@ -392,6 +393,16 @@ def check_request(args: argparse.Namespace, world: int) -> None:
     if args.batch_size % (world * args.grad_accum):
         raise SystemExit(f"error: --batch_size {args.batch_size} must divide into {world} processes x "
                          f"{args.grad_accum} micro-batches")
+
+
+def refuse_input_as_output(args: argparse.Namespace, out_dir: Path) -> None:
+    """A run never writes into the folder it reads: a base's folder (a Hugging Face model or another run), or a
+    --data folder."""
+    inputs = {"--init_from": args.init_from, "--data": args.data}
+    for flag, value in inputs.items():
+        if not args.resume and Path(value).is_dir() and Path(value).resolve() == out_dir.resolve():
+            raise SystemExit(f"error: --out_dir {out_dir} is the {flag} folder, which this run reads; write the run "
+                             f"to another folder")
 
 
 def check_probe(model: GPT) -> None:

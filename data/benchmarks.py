@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.sources import DataError, fetch, read_text
+from data.sources import SOURCES, DataError, fetch, read_text
 
 LAMBADA = "lambada/lambada_test.jsonl"
 WIKITEXT = "wikitext/wiki.test.raw"
@@ -169,12 +169,18 @@ def hellaswag(mirror: str | None = None) -> list[HellaSwagItem]:
     for lineno, row in read_jsonl(path):
         ctx_a, ctx_b = _field(row, "ctx_a", str, path, lineno), _field(row, "ctx_b", str, path, lineno)
         label, endings = _field(row, "activity_label", str, path, lineno), _field(row, "endings", list, path, lineno)
+        if not all(isinstance(e, str) for e in endings):
+            raise DataError(f"{path}:{lineno}: endings is not a list of strings; replace the file")
         gold = row.get("label")
         if str(gold) not in {str(i) for i in range(len(endings))}:
             raise DataError(f"{path}:{lineno}: label {gold!r} does not name one of the {len(endings)} endings")
         query = hellaswag_preprocess(f"{label}: {ctx_a} {ctx_b.capitalize()}")
         items.append(HellaSwagItem(query, [hellaswag_preprocess(e) for e in endings], int(gold),
                                    _field(row, "ctx", str, path, lineno), endings))
+    full = SOURCES[HELLASWAG].items  # not pinned by digest: its count is what tells a cut copy
+    if full and len(items) != full:
+        raise DataError(f"{path} holds {len(items):,} items, HellaSwag's validation set {full:,}: the file is "
+                        f"incomplete; replace it (--limit scores fewer items on purpose)")
     return items
 
 

@@ -34,6 +34,7 @@ class Source:
     url: str
     member: str = ""  # path inside a zip archive, when the upstream file is an archive
     sha256: str = ""  # pinned only where the mirror's file is byte-identical to the upstream one
+    items: int = 0  # where it is not: the number of items the full file holds, which its reader checks
 
 
 SOURCES = {
@@ -47,8 +48,9 @@ SOURCES = {
     "wikitext/wiki.valid.raw": Source(
         WIKITEXT2, member="wikitext-2-raw/wiki.valid.raw",
         sha256="4cd0f6876d07a413aa911261ff6d363c72d757d47f0fdd6015702014c89cb9c7"),
+    # the mirror's HellaSwag is rebuilt, not byte-identical upstream (its README): checked by its count instead
     "hellaswag/hellaswag_val.jsonl": Source(
-        "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"),
+        "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl", items=10_042),
     # AI2's ARC-Easy splits (Train: the mirror's copy, rebuilt as Dev and Test were, no published hash to check)
     **{f"arc/ARC-Easy-{split}.jsonl": Source(ARC, member=f"ARC-V1-Feb2018-2/ARC-Easy/ARC-Easy-{split}.jsonl",
                                              sha256=digest) for split, digest in (
@@ -90,11 +92,12 @@ def download(url: str) -> bytes:
 
 
 def write_atomic(path: Path, content: bytes | str | Callable[[Path], None]) -> None:
-    """Write a file so that no reader ever sees half of it: into a hidden temp file beside it (.<name>.tmp), then
-    a rename. content is bytes, text (UTF-8), or a function that writes to the path it is given. A failed write
-    (a full disk, say) leaves the previous file intact, removes the temp file and raises a DataError saying so."""
+    """Write a file so that no reader ever sees half of it: into a hidden temp file beside it (.<name>.<pid>.tmp,
+    one per process, so that concurrent writers of one file never share a temporary), then a rename. content is
+    bytes, text (UTF-8), or a function that writes to the path it is given. A failed write (a full disk, say)
+    leaves the previous file intact, removes the temp file and raises a DataError saying so."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if callable(content):

@@ -15,8 +15,10 @@ ckpt.pt alone holds the step: config.json describes the model and never changes 
 under a temporary name and renamed (save_run_file); what else keeps a run folder whole is in lab/run_folder.py.
 """
 
+import errno
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -72,8 +74,14 @@ def save_run_file(folder: Path, name: str, obj) -> None:
 
 
 def _torch_save(obj, path: Path) -> None:
-    with open(path, "wb") as f:  # through a Python file, a full disk raises OSError (ENOSPC), not a RuntimeError
-        torch.save(obj, f)
+    """torch.save as write_atomic takes it: a failed write is an OSError, a full disk ENOSPC. (torch's zip writer
+    can turn the file's own ENOSPC into a RuntimeError about positions when the disk fills at the very end.)"""
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+    except RuntimeError as e:
+        full = shutil.disk_usage(Path(path).parent).free < 1 << 20
+        raise OSError(errno.ENOSPC if full else errno.EIO, str(e).splitlines()[0]) from e
 
 
 def save_checkpoint(folder: Path, model: GPT, *, probe: bool, base_ref: dict | None, step: int,
@@ -218,8 +226,12 @@ def _load_run(folder: Path, switches: dict, mirror: str | None) -> tuple[GPT, To
     base_ref = ckpt["base"]
     probe_config = GPTConfig(**ckpt["config"])  # a switch newer than the checkpoint takes its default (off)
     probe_switches = {k: getattr(probe_config, k) for k in SWITCHES}
+    base = base_location(pinned_name(base_ref))
+    if Path(base).resolve() == Path(folder).resolve():
+        raise CheckpointError(f"the probe {folder} names its own folder as its base (a run was written into its "
+                              f"base's folder?); its base's weights are gone, so it cannot be loaded")
     try:
-        model, _, _ = load_model(base_location(pinned_name(base_ref)), **probe_switches, mirror=mirror)
+        model, _, _ = load_model(base, **probe_switches, mirror=mirror)
     except CheckpointError as e:
         raise CheckpointError(f"the probe {folder} cannot load its base {base_ref['init_from']!r}: {e}") from e
     check_base(base_ref, weights_sha256(model), folder)

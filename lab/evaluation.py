@@ -32,6 +32,7 @@ method, ppl * stderr(per-document loss) (lm-eval bootstraps LAMBADA's instead); 
 perplexities, as lm-eval reports none.
 """
 
+import hashlib
 import json
 import math
 import re
@@ -399,6 +400,9 @@ def check_request(tasks: tuple[str, ...] | list[str], protocol: str) -> None:
     unknown = [t for t in tasks if t not in TASK_FNS]
     if unknown:
         raise ValueError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
+    twice = [t for i, t in enumerate(tasks) if t in tasks[:i]]
+    if twice:
+        raise ValueError(f"the task list names {twice[0]} twice; name each task once")
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; choose lm-eval or paper")
 
@@ -436,13 +440,29 @@ def items_jsonl(records: list[dict]) -> str:
     return "".join(json.dumps(r) + "\n" for r in records)
 
 
+def items_entry(summary: Path, text: str) -> dict:
+    """What a JSON summary records of its per-item records, so that a reader can tell them from another run's
+    (a disk that fills between the two writes leaves new records beside an old summary)."""
+    return {"file": items_path(summary).name, "sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "lines": text.count("\n")}
+
+
 def read_items(path: str | Path) -> list[dict]:
-    """The per-item records of an evaluation, given its .items.jsonl file or its JSON summary beside it."""
+    """The per-item records of an evaluation, given its .items.jsonl file or its JSON summary beside it; refused
+    when the summary beside them records other records than these."""
     path = Path(path)
     if not path.name.endswith(".items.jsonl"):
         path = items_path(path)
     if not path.is_file():
         raise DataError(f"{path} does not exist; eval_lambada.py writes it beside its JSON summary")
+    summary = path.with_name(path.name[:-len(".items.jsonl")] + ".json")
+    try:
+        recorded = json.loads(summary.read_text()).get("items") if summary.is_file() else None
+    except (ValueError, OSError, AttributeError) as e:
+        raise DataError(f"{summary} beside {path.name} is not a readable evaluation summary; evaluate again") from e
+    if recorded and recorded["sha256"] != hashlib.sha256(path.read_bytes()).hexdigest():
+        raise DataError(f"{path} is not the set of records that {summary.name} was written with (their digests "
+                        f"differ: a write was cut short, or another run wrote one of them); evaluate again")
     fields = set(item_record("", "", 0, 0.0, 0, False, None))
     records = []
     for lineno, row in benchmarks.read_jsonl(path):

@@ -82,7 +82,7 @@ def claim_folder(folder: Path, resume: bool, step: int) -> TextIO:
 
 
 def clean_temporaries(folder: Path) -> None:
-    """Remove the .<name>.tmp files a killed or failed write left behind (call it holding the lock)."""
+    """Remove the .<name>.<pid>.tmp files a killed or failed write left behind (call it holding the lock)."""
     for tmp in Path(folder).glob(".*.tmp"):
         tmp.unlink(missing_ok=True)
 

@@ -87,6 +87,13 @@ def by_task(records: list[dict]) -> dict[str, list[dict]]:
 def check_same_items(a: dict[str, list[dict]], b: dict[str, list[dict]]) -> None:
     """ValueError in one line unless A and B hold the same tasks, protocol and items (and, for multiple choice,
     the same gold answers)."""
+    for side, tasks in (("A", a), ("B", b)):
+        for task, records in tasks.items():
+            seen = [r["item"] for r in records]
+            if len(set(seen)) < len(seen):
+                twice = next(i for k, i in enumerate(seen) if i in seen[:k])
+                raise ValueError(f"evaluation {side} holds item {twice} of {task} more than once (a task evaluated "
+                                 f"twice?); pairing would count it twice")
     if set(a) != set(b):
         raise ValueError(f"the evaluations hold different tasks ({', '.join(sorted(a))} vs {', '.join(sorted(b))})")
     for task in a:

@@ -89,7 +89,14 @@ def execute(argv: list[str], log: Path, args) -> int:
     with open(log, "a") as f:
         f.write(f"\n$ {shlex.join(argv)}\n")
         f.flush()
-        return subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait()
+        except BaseException:  # Ctrl-C, or SIGTERM (the handler's SystemExit): the child saves and stops first
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # train.py finishes its step, checkpoints and exits
+            proc.wait()
+            raise
 
 
 def children_cpu_seconds() -> float:
@@ -458,10 +465,13 @@ def main(argv: list[str] | None = None) -> None:
         run_grid(args)
     except (CheckpointError, DataError) as e:
         raise SystemExit(f"error: {e}")
+    except KeyboardInterrupt:  # the running training has saved its step (execute)
+        raise SystemExit("error: interrupted; run the same command again to resume") from None
 
 
 if __name__ == "__main__":
-    # a SIGTERM stops the running subprocess too (subprocess.run kills it on the way out), not only this script
+    # a SIGTERM stops the grid after the running subprocess has stopped in its own way (execute), so that a
+    # training saves its last step
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit("error: stopped by SIGTERM; run the same command "
                                                                  "again to resume"))
     main()

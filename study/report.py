@@ -246,7 +246,8 @@ def bar_charts(results: dict, found: dict, fig_dir: Path) -> list[Path]:
         fig.suptitle(f"{header}: method - baseline (bars: mean over seeds; intervals: {spread})", fontsize=11)
         fig.tight_layout()
         paths.append(fig_dir / f"delta_{key.replace('/', '_')}.png")
-        fig.savefig(paths[-1], dpi=100)
+        # atomic, so that a full disk leaves the previous figure whole
+        write_atomic(paths[-1], lambda tmp, fig=fig: fig.savefig(tmp, format="png", dpi=100))
         plt.close(fig)
     return paths
 

@@ -7,6 +7,10 @@ import json
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -131,7 +135,7 @@ def test_search_picks_the_lowest_search_loss_and_skips_finished_runs(tmp_path, m
         else:
             (folder / "eval.json").write_text("{}")
             (folder / "measures.json").write_text(json.dumps({"books_search": loss}))
-    monkeypatch.setattr(grid.subprocess, "run", lambda *a, **k: pytest.fail("nothing should run"))
+    monkeypatch.setattr(grid.subprocess, "Popen", lambda *a, **k: pytest.fail("nothing should run"))
     assert grid.search("b", "base", 32, "indist", "skip", args, {}) == 1e-3
     record = json.loads((tmp_path / "b" / "indist" / "skip" / "lr_search.json").read_text())
     assert record["losses"] == {"0.0001": 3.2, "0.001": 2.9, "0.01": float("inf")}
@@ -161,7 +165,7 @@ def test_a_search_that_lands_on_an_edge_adds_the_next_point(tmp_path, monkeypatc
         finished_search_run(tmp_path, "skip", lr, loss)
     args = SimpleNamespace(out=tmp_path, lrs=(5e-4, 1e-3), full_lrs=(1e-5,), seeds=[42], steps=5, dry_run=False,
                            max_extend=max_extend)
-    monkeypatch.setattr(grid.subprocess, "run", lambda *a, **k: pytest.fail("nothing should run"))
+    monkeypatch.setattr(grid.subprocess, "Popen", lambda *a, **k: pytest.fail("nothing should run"))
     assert grid.search("b", "base", 32, "ood", "skip", args, {}) == chosen
     record = json.loads((tmp_path / "b" / "ood" / "skip" / "lr_search.json").read_text())
     assert len(record["losses"]) == searched and record["at_edge"] is at_edge
@@ -193,6 +197,32 @@ def test_a_diverged_training_is_recorded_not_fatal(micro_base, tmp_path, capsys,
     assert f"diverged: error: {message}" in capsys.readouterr().out
     assert grid.train_job(job, micro_base, 32, args) is False  # recorded: not trained again
     assert "[train]" not in capsys.readouterr().out
+
+
+def test_sigterm_to_the_grid_lets_its_training_save_its_last_step(micro_base, tmp_path):
+    """Stopping the grid (SIGTERM to it alone, as a scheduler does) first stops its running training the way
+    train.py stops: after its step, with a checkpoint of that step; no step since the last interval is lost."""
+    out = tmp_path / "grid"
+    proc = subprocess.Popen([sys.executable, "-m", "study.grid", "--bases", f"micro={micro_base}", "--only",
+                             "preproj_skip", "--seeds", "1", "--lrs", "1e-3", "--steps", "5000", "--seq_len", "32",
+                             "--batch_size", "2", "--heldout_tokens", "512", "--dtype", "float32", "--out", str(out)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder = design.Job("micro", "ood", "preproj_skip", 1e-3, 42).folder(out)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(records(folder)) < 60:  # past the checkpoint of step 50
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "error: stopped by SIGTERM; run the same command again to resume" in err
+    saved = read_checkpoint(folder)["step"]
+    assert saved > 50 and saved == records(folder)[-1]["step"]  # the step it stopped at, not the interval's
+    assert "stopped by SIGTERM after step" in (folder / "log.txt").read_text()
+
+
+def records(folder: Path) -> list[dict]:
+    path = folder / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [json.loads(line) for line in lines if line.endswith("}")]
 
 
 # --- the share of weights that moved: initial values drawn again exactly; bf16 loses small updates ---

@@ -189,7 +189,7 @@ def hand_mirror(tmp_path, monkeypatch, mirror):
     (tmp_path / benchmarks.WIKITEXT_VALID).write_text("".join(wiki_lines()), encoding="utf-8")
     write_jsonl(tmp_path / benchmarks.HELLASWAG, hellaswag_rows())
     write_jsonl(tmp_path / benchmarks.ARC_EASY["validation"], arc_rows())
-    for rel in (benchmarks.LAMBADA, benchmarks.WIKITEXT_VALID, benchmarks.ARC_EASY["validation"]):
+    for rel in (benchmarks.LAMBADA, benchmarks.WIKITEXT_VALID, benchmarks.HELLASWAG, benchmarks.ARC_EASY["validation"]):
         monkeypatch.setitem(sources.SOURCES, rel, sources.Source(sources.SOURCES[rel].url))
     return str(tmp_path), Tokenizer.from_file(tok_file), hf_tok, lambada
 

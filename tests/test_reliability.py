@@ -23,6 +23,7 @@ import sample
 import train
 from conftest import MICRO, ROOT, run
 from data.prepare import load_nano_split
+from data.sources import DataError
 from lab import checkpoint
 from lab.checkpoint import load_model, read_checkpoint
 from lab.evaluation import val_loss
@@ -236,15 +237,16 @@ def test_bad_benchmark_file(micro_base, tmp_path, monkeypatch, capsys, content, 
     assert not (tmp_path / "e.json").exists()
 
 
-def test_full_disk_says_so(micro_base, mirror, tmp_path):
-    """A real ENOSPC: the temporary file the results go to first is /dev/full."""
+def test_full_disk_says_so(micro_base, mirror, tmp_path, monkeypatch, capsys):
+    """A real ENOSPC: the temporary file the results go to first (named by the process id) is /dev/full."""
     out = tmp_path / "eval.json"
     out.write_text("previous results")
-    (tmp_path / ".eval.json.tmp").symlink_to("/dev/full")
-    proc = script("eval_lambada.py", "--init_from", micro_base, "--tasks", "lambada", "--limit", "2",
-                  "--mirror", mirror, "--out", out)
-    assert f"the disk is full: could not write {out}" in error_line(proc.returncode, proc.stderr)
-    assert out.read_text() == "previous results" and not os.path.lexists(tmp_path / ".eval.json.tmp")
+    monkeypatch.setattr(os, "getpid", lambda: 4242)
+    (tmp_path / ".eval.items.jsonl.4242.tmp").symlink_to("/dev/full")
+    line = main_error(monkeypatch, capsys, eval_lambada, ["--init_from", micro_base, "--tasks", "lambada", "--limit",
+                                                         "2", "--mirror", mirror, "--out", out], strict=False)
+    assert f"the disk is full: could not write {tmp_path / 'eval.items.jsonl'}" in line
+    assert out.read_text() == "previous results" and not os.path.lexists(tmp_path / ".eval.items.jsonl.4242.tmp")
 
 
 def test_full_disk_during_training_keeps_the_checkpoint(probe_copy, monkeypatch, capsys):
@@ -423,7 +425,7 @@ def test_7_kill_during_a_checkpoint_write(probe_copy):
     ckpt, card = read_checkpoint(probe_copy), json.loads((probe_copy / "config.json").read_text())
     assert ckpt["step"] == 2 and card.get("step", 2) == 2  # config.json never runs ahead of ckpt.pt
     assert (card["kind"], card["config"], card["base"]) == (ckpt["kind"], ckpt["config"], ckpt["base"])
-    assert (probe_copy / ".ckpt.pt.tmp").exists()  # what the kill left
+    assert list(probe_copy.glob(".ckpt.pt.*.tmp"))  # what the kill left
     run(f"--out_dir {probe_copy} --resume --stop_at 4")
     assert not list(probe_copy.glob(".*.tmp")) and read_checkpoint(probe_copy)["step"] == 4
 
@@ -485,3 +487,122 @@ def test_atomic_writer_leaves_nothing_behind_on_failure(tmp_path):
     with pytest.raises(DataError, match="could not write .*x.bin: Permission denied"):
         write_atomic(tmp_path / "x.bin", fail)
     assert (tmp_path / "x.bin").read_bytes() == b"abc" and sorted(os.listdir(tmp_path)) == ["x.bin"]
+
+
+# --- inputs are never outputs; evaluations whose two files are a pair; no item counted twice ---
+
+def test_a_run_never_writes_into_the_folder_it_reads(tiny_hf_dir, tmp_path, monkeypatch, capsys):
+    base = tmp_path / "hf"
+    shutil.copytree(tiny_hf_dir, base)
+    before = snapshot(base)
+    line = main_error(monkeypatch, capsys, train, ["--init_from", base, "--skip", "--out_dir", base])
+    assert line == f"error: --out_dir {base} is the --init_from folder, which this run reads; write the run to " \
+                   f"another folder"
+    assert snapshot(base) == before and load_model(str(base))[0] is not None
+
+
+def test_a_probe_that_names_itself_as_its_base_is_one_line(stopped_probe, tmp_path):
+    probe = tmp_path / "probe"
+    shutil.copytree(stopped_probe, probe)
+    ckpt = torch.load(probe / "ckpt.pt", weights_only=True)
+    ckpt["base"]["init_from"] = str(probe)  # what a run written into its base's folder left
+    torch.save(ckpt, probe / "ckpt.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="names its own folder as its base"):
+        load_model(str(probe))
+
+
+def test_an_evaluation_summary_refuses_records_it_was_not_written_with(micro_base, tmp_path, monkeypatch,
+                                                                        capsys, mirror):
+    """A disk that fills between the two writes leaves new per-item records beside an old summary: compare
+    refuses the pair instead of comparing the wrong model's items."""
+    from lab.evaluation import items_path
+    from tools import compare
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for out in (a, b):
+        script("eval_lambada.py", "--init_from", micro_base, "--tasks", "lambada", "--limit", "4", "--dtype",
+               "float32", "--out", out, check=True)
+    assert json.loads(a.read_text())["items"]["lines"] == 4
+    compare.main([str(a), str(b)])  # a true pair: fine
+    records = items_path(a).read_text().splitlines()
+    items_path(a).write_text("\n".join(records[:3]) + "\n")  # other records beside the summary
+    line = main_error(monkeypatch, capsys, compare, [a, b], strict=False)
+    assert "a.items.jsonl is not the set of records that a.json was written with" in line
+
+
+def test_a_task_named_twice_is_refused_and_compare_refuses_items_seen_twice(micro_base, tmp_path):
+    proc = script("eval_lambada.py", "--init_from", micro_base, "--tasks", "lambada,lambada", "--out",
+                  tmp_path / "e.json")
+    assert error_line(proc.returncode, proc.stderr) == "error: the task list names lambada twice; name each task once"
+    assert not (tmp_path / "e.json").exists()
+    from lab.evaluation import item_record
+    from lab.stats import compare_items
+    once = [item_record("lambada", "lm-eval", i, -1.0, 1, True, None) for i in range(3)]
+    with pytest.raises(ValueError, match="holds item 0 of lambada more than once"):
+        compare_items(once + once[:1], once)
+
+
+# --- full disks: one line, the temporary removed, what was there before intact ---
+
+def test_a_checkpoint_on_a_full_disk_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """torch's zip writer reports a disk that fills at the end of the file as a RuntimeError about positions
+    (seen on a 2 MB tmpfs): it becomes the full-disk DataError, and the temporary goes."""
+    folder = tmp_path / "run"
+    checkpoint.save_run_file(folder, "ckpt.pt", {"step": 1})
+    def filling_save(obj, f):
+        f.write(b"x" * 1000)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1741312 vs 1741200")
+    monkeypatch.setattr(checkpoint.torch, "save", filling_save)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 0))
+    with pytest.raises(DataError, match=r"^the disk is full: could not write .*ckpt.pt \(what was written "
+                                                   r"before is intact\)"):
+        checkpoint.save_run_file(folder, "ckpt.pt", {"step": 2})
+    assert sorted(p.name for p in folder.iterdir()) == ["ckpt.pt"]
+    monkeypatch.undo()
+    assert torch.load(folder / "ckpt.pt", weights_only=True) == {"step": 1}
+
+
+def test_figures_are_written_whole_or_not_at_all(tmp_path):
+    import matplotlib.pyplot as plt
+    path = tmp_path / "layers.png"
+    fig = plt.figure()
+    analyze_layers.save_figure(fig, path, dpi=50)
+    before = path.read_bytes()
+    real = fig.savefig
+    def full_disk(f, **kwargs):
+        real(f, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    fig.savefig = full_disk
+    with pytest.raises(analyze_layers.DataError, match="the disk is full"):
+        analyze_layers.save_figure(fig, path, dpi=80)
+    plt.close(fig)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["layers.png"]
+
+
+def test_two_processes_writing_one_file_at_once_both_succeed(tmp_path):
+    """Every writer has a temporary of its own (two ranks fetching one file used to share one, and one failed)."""
+    code = ("import sys; from pathlib import Path; from data.sources import write_atomic\n"
+            "for i in range(200): write_atomic(Path(sys.argv[1]), sys.argv[2] * 100_000)\n")
+    target = tmp_path / "shared.txt"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(target), c], cwd=ROOT, stderr=subprocess.PIPE)
+             for c in "ab"]
+    errors = [p.communicate()[1].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    assert target.read_text() in ("a" * 100_000, "b" * 100_000)
+
+
+def test_a_benchmark_file_cut_at_a_line_boundary_is_refused(mirror, tmp_path):
+    """HellaSwag's file is not pinned by digest (the mirror's is rebuilt), so its count is checked: 300 whole
+    lines of 10,042 are an incomplete file, not a smaller benchmark (--limit is the way to score fewer)."""
+    from data import benchmarks
+    cut = tmp_path / "mirror" / "hellaswag" / "hellaswag_val.jsonl"
+    cut.parent.mkdir(parents=True)
+    cut.write_text("".join(open(f"{mirror}/hellaswag/hellaswag_val.jsonl").readlines()[:300]))
+    with pytest.raises(DataError, match=r"holds 300 items, HellaSwag's validation set 10,042: the file is incomplete"):
+        benchmarks.hellaswag(str(tmp_path / "mirror"))
+    assert len(benchmarks.hellaswag(mirror)) == 10_042
+    odd = cut.read_text().splitlines()
+    row = json.loads(odd[0])
+    row["endings"][1] = 7
+    cut.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=r"hellaswag_val.jsonl:1: endings is not a list of strings"):
+        benchmarks.hellaswag(str(tmp_path / "mirror"))
