@@ -101,10 +101,15 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--n_embd {args.n_embd} is not divisible by --n_head {args.n_head}")
     if args.eval_tasks is None:
         args.eval_tasks = "none" if text.is_path(args.data) else "lambada,wikitext,hellaswag"
+    explicit = cli.explicit_flags(p, argv)
+    if args.device == "cpu" and "device" not in explicit and (args.paper or cli.is_hub_name(args.init_from)):
+        p.error(f"no CUDA GPU is visible to this torch ({torch.__version__}, CUDA build "
+                f"{torch.version.cuda or 'none'}), and a {'--paper run' if args.paper else 'Hub model'} would train "
+                f"on the CPU; pass --device cpu to do that on purpose, or install torch with CUDA")
     unknown = [n for n in (args.val_splits or "").split(",") if n and n not in prepare.HELDOUT]
     if unknown:
         p.error(f"--val_splits: {unknown[0]!r} is no held-out split; choose from {', '.join(prepare.HELDOUT)}")
-    return saved_settings(args, cli.explicit_flags(p, argv)) if args.resume else args
+    return saved_settings(args, explicit) if args.resume else args
 
 
 def run_dir(args: argparse.Namespace) -> Path:

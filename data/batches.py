@@ -28,16 +28,17 @@ def load_data(init_from: str, data: str, seq_len: int, tokenizer: Tokenizer, mir
         train, heldout = prepare.load_nano_split("pretrain"), ("val_books",)
     else:
         data = prepare.probe_data(data, init_from, tokenizer)
-        train_split, heldout = prepare.PROBE_SPLITS.get(data, prepare.PROBE_SPLITS["corpus"])
+        train_split, heldout = prepare.PROBE_SPLITS[data]
         train = (prepare.wikitext103_probe_lines(tokenizer, max_tokens=seq_len) if data == "wikitext103"
                  else prepare.split_tokens(train_split, tokenizer, mirror))
     if val_splits:
         own, heldout = {}, [n for n in val_splits.split(",") if n]
-    return train, {**own, **{n: prepare.split_tokens(n, tokenizer, mirror) for n in heldout}}, record
+    return train, {**own, **{n: prepare.heldout_stream(n, tokenizer, mirror) for n in heldout}}, record
 
 
 def global_batch(data, step: int, rows: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's whole batch: random windows of a token stream, or padded documents (pad label -100)."""
+    """The step's whole batch: random windows of a token stream, or documents padded to the longest (pad label -100,
+    at most seq_len)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     if isinstance(data, np.ndarray):  # a stream: windows of seq_len + 1 tokens
         starts = torch.randint(0, len(data) - seq_len - 1, (rows,), generator=g).tolist()
@@ -50,9 +51,12 @@ def global_batch(data, step: int, rows: int, seq_len: int, seed: int) -> tuple[t
         order += torch.randperm(len(data), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
         epoch += 1
     first = (step * rows) % len(data)
-    docs = [data[i] for i in order[first:first + rows]]
-    x = torch.zeros(rows, seq_len, dtype=torch.long)
-    y = torch.full((rows, seq_len), -100, dtype=torch.long)
+    docs = [data[i][:seq_len + 1] for i in order[first:first + rows]]
+    # padded on the right to the batch's longest row, not to seq_len: under causal attention no real token sees
+    # the padding after it, so every loss is the same, and the WikiText-103 lines (~141 tokens of 512) cost less
+    width = max(1, max(len(d) - 1 for d in docs))
+    x = torch.zeros(rows, width, dtype=torch.long)
+    y = torch.full((rows, width), -100, dtype=torch.long)
     for r, d in enumerate(docs):
         d = torch.from_numpy(d[:seq_len + 1])
         x[r, :len(d) - 1], y[r, :len(d) - 1] = d[:-1], d[1:]

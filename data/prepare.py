@@ -49,9 +49,10 @@ SPLITS = ("pretrain", "probe", "val", "val_books")
 SEARCH_LAST_YEAR = 1996  # val addresses up to this year form sotu_search, the later ones sotu_test
 BOOK_PARTS = {"books_train": (0, 9), "books_search": (10, 11), "books_test": (12, 15)}  # chapters; 0 = front matter
 PARTS = ("sotu_search", "sotu_test", *BOOK_PARTS)
-HELDOUT = ("val", "val_books", *PARTS)  # the splits a run may validate on (train.py --val_splits)
+HELDOUT = ("val", "val_books", *PARTS, "wikitext")  # the splits a run may validate on (train.py --val_splits)
 # train.py's --data for the embedded corpus: (the split a probe trains on, the held-out splits it reports)
-PROBE_SPLITS = {"corpus": ("probe", ("val", "val_books")), "books": ("books_train", ("val", "books_test"))}
+PROBE_SPLITS = {"corpus": ("probe", ("val", "val_books")), "books": ("books_train", ("val", "books_test")),
+                "wikitext103": ("", ("wikitext",))}  # WikiText-103 validation lines: no corpus is read
 WIKITEXT103 = "https://wikitext.smerity.com/wikitext-103-raw-v1.zip"
 
 

@@ -138,6 +138,11 @@ def out_file(text: str) -> str:
     return text
 
 
+def is_hub_name(init_from: str) -> bool:
+    """A model that --init_from would fetch from the Hugging Face Hub (not nano, scratch or a local folder)."""
+    return init_from not in ("nano", "scratch") and not Path(init_from).exists()
+
+
 def explicit_flags(p: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
     """The settings the command line gave explicitly (even at their default value), as argparse dest names."""
     unset = object()

@@ -8,7 +8,8 @@ Which precision a run computes in, and how the model's weights are held for it.
     paper      the author's recipe: the whole model in bf16, trained with no fp32 master copy (AdamW state in bf16
                too), except LoRA adapters, which peft keeps in fp32 (autocast_adapter_dtype=True); bf16 autocast
     auto       bfloat16 on a CPU with native bf16 matrix instructions (AVX512-BF16 or AMX) and on CUDA devices
-               that support bf16; float32 elsewhere
+               that multiply bf16 natively (compute capability 8 or more: A100, H100, RTX 30xx and later);
+               float32 elsewhere, including GPUs that only emulate bf16 (T4, V100)
 
 Evaluation in bf16 (for_inference) holds every Linear layer's weights in bf16 under autocast, so it gives the numbers
 the end of a bf16 training run gives; under the paper's protocol it casts the whole model to bf16, as the author
@@ -28,12 +29,18 @@ def cpu_has_bf16() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
+def cuda_has_bf16(device: str) -> bool:
+    """Whether the CUDA device the run uses (not the current one) multiplies bf16 natively: compute capability 8
+    or more. torch.cuda.is_bf16_supported() also counts emulation (T4, V100), which is slower than fp32."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(torch.device(device))[0] >= 8
+
+
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     """The compute dtype for --dtype NAME on DEVICE; 'auto' picks bf16 where the hardware does it natively."""
     if name != "auto":
         return DTYPES[name]
     if device.startswith("cuda"):
-        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if cuda_has_bf16(device) else torch.float32
     return torch.bfloat16 if cpu_has_bf16() else torch.float32
 
 

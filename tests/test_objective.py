@@ -83,3 +83,29 @@ def test_two_processes_optimise_the_same_objective_as_one(tmp_path):
     assert two["loss"] == pytest.approx(ref_loss, abs=1e-6)
     for name, g in two["grads"].items():
         assert torch.allclose(g, ref_grads[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_a_batch_of_documents_is_padded_to_its_longest_row_with_the_same_objective():
+    """global_batch pads documents to the batch's longest row, not to seq_len: under causal attention with right
+    padding every real token's loss is the same, so the step's loss and gradients equal those of the batch padded
+    to seq_len (fp32, float rounding), with fewer positions computed."""
+    import numpy as np
+
+    from data.batches import global_batch
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 64, n + 1).astype(np.uint16) for n in (7, 19, 4, 12, 25, 9, 3, 16)]
+    x, y = global_batch(docs, step=0, rows=4, seq_len=32, seed=3)
+    longest = max(int((row != -100).sum()) for row in y)
+    assert x.shape == (4, longest) and longest < 32 and bool((y[:, -1] != -100).any())
+    full_x = torch.zeros(4, 32, dtype=torch.long)
+    full_y = torch.full((4, 32), -100, dtype=torch.long)
+    full_x[:, :longest], full_y[:, :longest] = x, y
+    model = tiny_model()
+    loss, grads = step(model, TrainingObjective(model), x, y, grad_accum=1)
+    full_loss, full_grads = step(model, TrainingObjective(model), full_x, full_y, grad_accum=1)
+    assert abs(loss - full_loss) < 1e-6
+    for name, g in grads.items():
+        assert torch.allclose(g, full_grads[name], rtol=1e-5, atol=1e-7), name
+    long_doc = [rng.integers(1, 64, 100).astype(np.uint16)] * 2  # a document beyond the window is cut to seq_len
+    assert global_batch(long_doc, step=0, rows=2, seq_len=32, seed=0)[0].shape == (2, 32)

@@ -153,3 +153,17 @@ def test_bf16_lambada_against_fp32(micro_base, mirror, whole_model):
             scores[dtype] = lambada(model, tok, limit=100, mirror=mirror)["items"]
     diffs = [abs(a["logprob"] - b["logprob"]) for a, b in zip(scores[torch.float32], scores[torch.bfloat16])]
     assert 0 < sum(diffs) / len(diffs) < 0.1 and max(diffs) < 0.5
+
+
+def test_auto_is_bf16_only_on_gpus_that_multiply_it_natively(monkeypatch):
+    """Compute capability 8 or more on the device the run uses, not the current one: a V100 or T4 (7.x) only
+    emulates bf16 (torch.cuda.is_bf16_supported() says yes), slower than fp32."""
+    from lab import precision
+    capability = {0: (8, 0), 1: (7, 5)}  # an A100 as cuda:0 (the current device), a T4 as cuda:1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability[d.index or 0])
+    assert precision.resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert precision.resolve_dtype("auto", "cuda:0") == torch.bfloat16
+    assert precision.resolve_dtype("auto", "cuda:1") == torch.float32
+    assert precision.resolve_dtype("bfloat16", "cuda:1") == torch.bfloat16  # asked for: given

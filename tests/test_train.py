@@ -133,6 +133,20 @@ def test_unknown_init_from(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("argv, what", [(["--init_from", "pythia-160m", "--skip"], "a Hub model"),
+                                        (["--paper", "--skip"], "a --paper run")])
+def test_no_silent_fallback_to_the_cpu(tmp_path, monkeypatch, capsys, argv, what):
+    """Where torch sees no GPU (a CPU wheel, an old driver), a Hub model or --paper stops unless --device cpu is
+    given: a 500-step 410m run does not start on the CPU with one word of warning."""
+    import train
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the --device default becomes the CPU
+    with pytest.raises(SystemExit):
+        train.get_args([*argv, "--out_dir", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no CUDA GPU is visible") and what in err[0], err
+    assert train.get_args([*argv, "--device", "cpu"]).device == "cpu"  # on purpose: allowed
+
+
 def test_linear_preproj_needs_preproj(tmp_path):
     proc = cli("--init_from", "scratch", "--preproj_linear", "--out_dir", str(tmp_path / "x"))
     assert_one_line_error(proc, "--preproj_linear changes the pre-projection; add --preproj")
@@ -190,15 +204,16 @@ def test_seq_len_beyond_positions(micro_base, tmp_path):
 
 def test_paper_recipe_and_explicit_flags():
     from train import get_args
-    args = get_args(["--paper", "--preproj", "--skip", "--max_iters", "20"])
+    args = get_args(["--paper", "--preproj", "--skip", "--max_iters", "20", "--device", "cpu"])
     assert (args.lr, args.batch_size, args.seq_len, args.warmup_iters, args.seed, args.beta2, args.data) == \
         (1e-5, 16, 512, 50, 42, 0.999, "wikitext103")
     assert args.max_iters == 20  # a flag given explicitly wins over the recipe
     assert args.pure_bf16  # the paper's precision comes with its recipe ...
-    assert not get_args(["--paper", "--no-pure_bf16"]).pure_bf16  # ... and our fp32 masters are one switch away
+    assert not get_args(["--paper", "--no-pure_bf16", "--device", "cpu"]).pure_bf16  # ... our fp32 masters one
+    # switch away
     for form in (["--lr=3e-5"], ["--lr", "3e-5"]):  # every spelling argparse accepts wins too
-        assert get_args(["--paper", *form]).lr == 3e-5, form
-    assert get_args(["--paper", "--max_it", "7"]).max_iters == 7
+        assert get_args(["--paper", "--device", "cpu", *form]).lr == 3e-5, form
+    assert get_args(["--paper", "--device", "cpu", "--max_it", "7"]).max_iters == 7
 
 
 def test_pure_bf16_probe(micro_base, tmp_path):
@@ -238,7 +253,9 @@ def test_the_papers_whole_recipe_runs_on_a_tiny_pythia(tmp_path, mirror, monkeyp
     monkeypatch.setattr(data.sources, "download", lambda url: archive.getvalue())
     hf_dir = tmp_path / "pythia-tiny"
     make_hf_model(vocab=50304, d=64, max_pos=64).save_pretrained(hf_dir)
-    small = "--max_iters 2 --batch_size 2 --seq_len 64 --eval_tasks none --eval_tokens 256"
+    small = "--max_iters 2 --batch_size 2 --seq_len 64 --eval_tasks none --eval_tokens 256 --device cpu"
+    import data.prepare
+    monkeypatch.setattr(data.prepare, "corpus_splits", lambda *a: pytest.fail("a WikiText probe reads no corpus"))
     methods = {"preproj": "--preproj", "lora": "--lora_rank 8", "preproj-lora": "--preproj --lora_rank 2",
                "preproj-skip": "--preproj --skip"}
     for name, flags in methods.items():  # our precision (--no-pure_bf16) on the paper's method only, for time
@@ -247,6 +264,8 @@ def test_the_papers_whole_recipe_runs_on_a_tiny_pythia(tmp_path, mirror, monkeyp
             model, _ = run(f"--init_from {hf_dir} --paper {flags} {small} {precision_flag} --out_dir {out}")
             args = read_checkpoint(out)["train_args"]
             assert args["data"] == "wikitext103" and args["lr"] == 1e-5 and args["pure_bf16"] == (not precision_flag)
+            last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+            assert "wikitext_loss" in last and "val_loss" not in last  # validated on held-out WikiText
             held = {p.dtype for n, p in model.named_parameters() if p.requires_grad and "lora" not in n}
             assert held <= ({torch.bfloat16} if not precision_flag else {torch.float32})
     for protocol, dtype in (("paper", "bfloat16"), ("lm-eval", "float32")):
