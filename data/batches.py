@@ -29,7 +29,7 @@ def load_data(init_from: str, data: str, seq_len: int, tokenizer: Tokenizer, mir
     else:
         data = prepare.probe_data(data, init_from, tokenizer)
         train_split, heldout = prepare.PROBE_SPLITS[data]
-        train = (prepare.wikitext103_probe_lines(tokenizer, max_tokens=seq_len) if data == "wikitext103"
+        train = (prepare.wikitext103_probe_lines(tokenizer, max_tokens=seq_len, mirror=mirror) if data == "wikitext103"
                  else prepare.split_tokens(train_split, tokenizer, mirror))
     if val_splits:
         own, heldout = {}, [n for n in val_splits.split(",") if n]

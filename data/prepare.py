@@ -38,7 +38,7 @@ from typing import Iterable
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from data.sources import CACHE, DataError, archive, fetch, fetch_folder, sha256, write_atomic
+from data.sources import CACHE, DataError, archive, fetch, fetch_folder, mirror_dir, sha256, write_atomic
 
 NANO_DATA = CACHE / "nano"
 EOT = "<|endoftext|>"
@@ -54,6 +54,7 @@ HELDOUT = ("val", "val_books", *PARTS, "wikitext")  # the splits a run may valid
 PROBE_SPLITS = {"corpus": ("probe", ("val", "val_books")), "books": ("books_train", ("val", "books_test")),
                 "wikitext103": ("", ("wikitext",))}  # WikiText-103 validation lines: no corpus is read
 WIKITEXT103 = "https://wikitext.smerity.com/wikitext-103-raw-v1.zip"
+WIKITEXT103_TRAIN = "wikitext103/wiki.train.raw"  # its mirror slot: the archive's wikitext-103-raw/wiki.train.raw
 
 
 def corpus_splits(mirror: str | None = None) -> dict[str, list[Path]]:
@@ -175,18 +176,24 @@ def probe_lines(lines: Iterable[str], n_lines: int | None = 2000, min_chars: int
     return kept
 
 
-def wikitext103_probe_lines(tok: Tokenizer, n_lines: int = 2000, min_chars: int = 50,
-                            max_tokens: int = 512) -> list[np.ndarray]:
+def wikitext103_probe_lines(tok: Tokenizer, n_lines: int = 2000, min_chars: int = 50, max_tokens: int = 512,
+                            mirror: str | None = None) -> list[np.ndarray]:
     """The paper's probe data: probe_lines of WikiText-103 train, each tokenised and cut to max_tokens (the
-    training batch pads it, pad labels ignored). Downloaded (about 190 MB) and cached; needs network."""
-    try:
-        path = archive(WIKITEXT103)
-    except DataError as e:
-        raise DataError(f"the paper's probe text (WikiText-103 train) needs network and is not in the "
-                        f"mirror; offline, pass --data corpus ({e})") from e
-    # Read as the Hugging Face dataset reads it: text mode, a row per line, the newline kept
-    with zipfile.ZipFile(path) as z, z.open("wikitext-103-raw/wiki.train.raw") as f:
-        lines = probe_lines(io.TextIOWrapper(f, encoding="utf-8"), n_lines, min_chars)
+    training batch pads it, pad labels ignored). From the mirror's WIKITEXT103_TRAIN when it holds the file (an
+    offline machine), else downloaded (about 190 MB) and cached."""
+    local = mirror_dir(mirror) and mirror_dir(mirror) / WIKITEXT103_TRAIN
+    if local and local.is_file():
+        with open(local, encoding="utf-8") as f:
+            lines = probe_lines(f, n_lines, min_chars)
+    else:
+        try:
+            path = archive(WIKITEXT103)
+        except DataError as e:
+            raise DataError(f"the paper's probe text, WikiText-103 train, is not in the mirror ({WIKITEXT103_TRAIN}) "
+                            f"and could not be downloaded ({e}); put wiki.train.raw from {WIKITEXT103} there") from e
+        # Read as the Hugging Face dataset reads it: text mode, a row per line, the newline kept
+        with zipfile.ZipFile(path) as z, z.open("wikitext-103-raw/wiki.train.raw") as f:
+            lines = probe_lines(io.TextIOWrapper(f, encoding="utf-8"), n_lines, min_chars)
     return [np.array(enc.ids[:max_tokens], dtype=np.int64) for enc in tok.encode_batch(lines)]
 
 

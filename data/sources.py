@@ -136,6 +136,11 @@ def archive(url: str) -> Path:
     """A downloaded archive, kept in data/cache/downloads/archives so that each of its members costs no new
     download."""
     path = CACHE / "downloads" / "archives" / url.rsplit("/", 1)[-1]
+    if path.is_file() and not zipfile.is_zipfile(path):  # e.g. a captive portal's page saved under the name
+        aside = path.with_name(path.name + ".bad")
+        os.replace(path, aside)
+        raise DataError(f"{path} was not a zip archive (a login or error page saved in its place?); it is set aside "
+                        f"as {aside.name}: run again to download it anew")
     if not path.is_file():
         write_atomic(path, download(url))
     return path

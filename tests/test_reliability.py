@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -606,3 +607,34 @@ def test_a_benchmark_file_cut_at_a_line_boundary_is_refused(mirror, tmp_path):
     cut.write_text(json.dumps(row) + "\n")
     with pytest.raises(DataError, match=r"hellaswag_val.jsonl:1: endings is not a list of strings"):
         benchmarks.hellaswag(str(tmp_path / "mirror"))
+
+
+def test_wikitext103_from_the_mirror_or_a_damaged_download(mirror, tmp_path, monkeypatch):
+    """The paper's probe text has a mirror slot (an offline machine reads it there, the same lines as the
+    download's), and a cached archive that is not a zip (a captive portal's page) is set aside in one line."""
+    import io
+    import zipfile
+
+    import data.sources
+    from data import prepare
+    from load_pythia import load_tokenizer
+    tok = load_tokenizer(f"{mirror}/tokenizers/20B_tokenizer.json")
+    raw = open(f"{mirror}/wikitext/wiki.valid.raw", encoding="utf-8").read()
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("wikitext-103-raw/wiki.train.raw", raw)
+    monkeypatch.setattr(data.sources, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(data.sources, "download", lambda url: archive.getvalue())
+    downloaded = prepare.wikitext103_probe_lines(tok, n_lines=50)
+    local = tmp_path / "mirror" / prepare.WIKITEXT103_TRAIN
+    local.parent.mkdir(parents=True)
+    local.write_text(raw, encoding="utf-8")
+    monkeypatch.setattr(data.sources, "download", lambda url: pytest.fail("the mirror's copy is read, not fetched"))
+    from_mirror = prepare.wikitext103_probe_lines(tok, n_lines=50, mirror=str(tmp_path / "mirror"))
+    assert len(from_mirror) == 50 and all(np.array_equal(a, b) for a, b in zip(downloaded, from_mirror))
+    cached = tmp_path / "cache" / "downloads" / "archives" / "wikitext-103-raw-v1.zip"
+    cached.write_text("<html>Please log in to the network</html>")
+    with pytest.raises(DataError, match=r"was not a zip archive .* set aside as wikitext-103-raw-v1.zip.bad: run "
+                                        r"again to download it anew"):
+        prepare.wikitext103_probe_lines(tok, n_lines=5)
+    assert not cached.exists() and cached.with_name(cached.name + ".bad").is_file()
