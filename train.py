@@ -343,10 +343,10 @@ def build_model(args: argparse.Namespace) -> tuple[GPT, Tokenizer, dict | None, 
 def put_on_device(s: Settings, model: GPT, base_model: GPT | None, device: str) -> None:
     """The model on its device, its weights held for the run's precision (lab/precision.py)."""
     model.to(device)
-    if s.pure_bf16:
-        hold_as_paper(model)
-    for m in (model, base_model):  # frozen weights in the compute dtype once, not cast at every step
-        if m is not None and s.dtype != "float32":
+    for m in (model, base_model):  # the base as the model, so that the two columns of the report compare
+        if m is not None and s.pure_bf16:
+            hold_as_paper(m)
+        elif m is not None and s.dtype != "float32":  # frozen weights in the compute dtype once, not at every step
             hold_matrices_in(m, DTYPES[s.dtype])
 
 

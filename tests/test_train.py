@@ -222,6 +222,15 @@ def test_pure_bf16_probe(micro_base, tmp_path):
     assert read_checkpoint(tmp_path / "p")["model"]["blocks.0.w_skip.weight"].dtype == torch.bfloat16
 
 
+def test_the_paper_precision_measures_base_and_trained_alike(micro_base, tmp_path):
+    """Under --pure_bf16 the frozen base is held in the paper's precision too (norms and embeddings in bf16), so
+    a LoRA probe that has not moved (B = 0, lr 1e-30) reports the base's own validation loss, not one 1e-3 away."""
+    _, results = run(f"--init_from {micro_base} --lora_rank 2 {MICRO} --pure_bf16 --max_iters 1 --lr 1e-30 "
+                     f"--min_lr 0 --out_dir {tmp_path / 'p'}")
+    base, trained = results["val_loss"]["base"], results["val_loss"]["trained"]
+    assert all(abs(base[n] - trained[n]) < 1e-5 for n in base), (base, trained)
+
+
 def test_run_ends_with_benchmarks_for_base_and_trained(micro_base, tmp_path):
     from lab.evaluation import evaluate
     out = tmp_path / "bench"
