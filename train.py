@@ -15,6 +15,8 @@ it in out/nano-base.
 
 import argparse
 import math
+import os
+import resource
 import sys
 import time
 from contextlib import nullcontext
@@ -32,13 +34,23 @@ from data import batches, prepare, text
 from data.sources import DataError
 from lab import checkpoint, cli, run_folder, run_report
 from lab.checkpoint import CheckpointError
-from lab.evaluation import TASKS, check_data, val_loss
+from lab.evaluation import TASKS, check_data, evaluate, val_loss
 from lab.loss import TrainingObjective, training_loss
-from lab.precision import DTYPES, autocast, dtype_name, hold_as_paper, hold_matrices_in, resolve_dtype
+from lab.memory import step_memory
+from lab.precision import (
+    DTYPES,
+    autocast,
+    cpu_has_bf16,
+    cuda_has_bf16,
+    dtype_name,
+    hold_as_paper,
+    hold_matrices_in,
+    resolve_dtype,
+)
 from lab.recipes import NANO_BASE, NANO_SHAPE, PAPER_PROBE, flags
 from lab.run_folder import Diverged, diverged
 from load_pythia import read_tokenizer
-from model import GPT, GPTConfig
+from model import CPU_BF16_EXPLICIT_MAX, GPT, GPTConfig
 
 # --- settings ---
 
@@ -64,6 +76,10 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the paper's precision: weights and AdamW state in bf16 with no fp32 master copy, LoRA "
                         "adapters in fp32 (on with --paper; --no-pure_bf16 keeps fp32 masters)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--dry_run", action="store_true",
+                   help="check this run end to end without training it or writing anything: the device, every file "
+                        "it reads, one full step (time, peak memory, projected time), the attention kernel, a few "
+                        "LAMBADA items under both protocols")
     g.add_argument("--data", default="auto",
                    help="training text: your own (a UTF-8 file, a folder of *.txt or a pattern; data/text.py), or "
                         "a built-in probe text: the embedded corpus's State of the Union speeches (corpus), its "
@@ -362,8 +378,9 @@ def make_optimizer(model: GPT, s: Settings) -> torch.optim.AdamW:
 def objective(model: GPT, s: Settings, world: int) -> torch.nn.Module:
     """What the loop calls: the training loss as a module, compiled and/or wrapped for DDP."""
     step_model = TrainingObjective(model)
-    step_model = torch.compile(step_model) if s.compile else step_model
-    return torch.nn.parallel.DistributedDataParallel(step_model) if world > 1 else step_model
+    if world > 1:  # DDP first, then torch.compile of the wrapped module: the order PyTorch documents
+        step_model = torch.nn.parallel.DistributedDataParallel(step_model)
+    return torch.compile(step_model) if s.compile else step_model
 
 
 def restore(s: Settings, out_dir: Path, model: GPT, optimizer: torch.optim.Optimizer, probe: bool,
@@ -474,6 +491,99 @@ def final_report(run: Run, base_losses: dict) -> dict:
     return {"val_loss": {"base": base_losses, "trained": final}, "benchmarks": bench}
 
 
+# --- the dry run: a first run on a new machine that checks itself ---
+
+def dry_run(args: argparse.Namespace) -> dict:
+    """Everything the run would do before its loop, then one full step and a few evaluation items, writing
+    nothing (no run folder, no checkpoint): what a first GPU run prints and checks before spending hours."""
+    rank, world, device = cli.setup_distributed(args.device)
+    check_request(args, world)
+    refuse_input_as_output(args, run_dir(args))
+    run_folder.refuse_existing_run(run_dir(args), args.resume)  # what the real run would refuse, it refuses
+    report = {"torch": torch.__version__, "cuda_build": torch.version.cuda, "device": device,
+              **device_facts(device)}
+    model, tokenizer, base_ref, base_model = build_model(args)
+    probe = args.init_from != "scratch" and not args.full_finetune
+    if probe:
+        model.freeze_base()
+    s = resolve_settings(args, model.config.block_size, device)
+    train_data, vals, data_source = batches.load_data(s.init_from, s.data, s.seq_len, tokenizer, s.mirror,
+                                                      s.val_splits)
+    check_lengths(s, model, vals)
+    report.update(base=base_ref and checkpoint.pinned_name(base_ref), base_sha256=base_ref and base_ref["sha256"],
+                  data=data_source or s.data, files=run_report.data_files(s.eval_tasks, s.mirror),
+                  memory_estimate_gb={k: round(v / 1e9, 3) for k, v in step_memory(
+                      model.config, s.batch_size // world // s.grad_accum, s.seq_len, probe, s.pure_bf16,
+                      DTYPES[s.dtype]).items()})
+    put_on_device(s, model, base_model, device)
+    run = Run(settings=s, out_dir=run_dir(args), model=model, step_model=objective(model, s, world),
+              tokenizer=tokenizer, optimizer=make_optimizer(model, s), train_data=train_data, vals=vals,
+              data_source=data_source, base_ref=base_ref, base_model=base_model, probe=probe, rank=rank, world=world,
+              device=device, ctx=autocast(device, DTYPES[s.dtype]), step=0)
+    report.update(timed_step(run), attention_kernel=attention_kernel(model.config, s, device))
+    with run.ctx:
+        report["lambada"] = {protocol: evaluate(model, tokenizer, ["lambada"], protocol, 4, mirror=s.mirror)
+                             ["lambada"]["metrics"] for protocol in ("lm-eval", "paper")}
+    for key, value in report.items():
+        print(f"{key:16s} {value}")
+    print(f"dry run of {run.out_dir}: nothing was written")
+    return report
+
+
+def device_facts(device: str) -> dict:
+    """Capability, native bf16 and free memory of the device the run uses."""
+    if device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return {"capability": torch.cuda.get_device_capability(torch.device(device)),
+                "native_bf16": cuda_has_bf16(device), "free_memory_gb": round(free / 1e9, 2),
+                "total_memory_gb": round(total / 1e9, 2)}
+    return {"native_bf16": cpu_has_bf16(), "free_memory_gb": round(os.sysconf("SC_AVPHYS_PAGES") *
+                                                                   os.sysconf("SC_PAGE_SIZE") / 1e9, 2)}
+
+
+def timed_step(run: Run) -> dict:
+    """Two full steps at the run's batch (the first warms up), the second's time, the peak memory, and the run's
+    projected time."""
+    s = run.settings
+    if run.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(run.device)
+    rows = s.batch_size // run.world
+    for step in range(2):
+        x, y = batches.global_batch(run.train_data, step, s.batch_size, s.seq_len, s.seed)
+        t0 = time.time()
+        loss = accumulate_gradients(run, x[:rows].to(run.device), y[:rows].to(run.device), int((y != -100).sum()))
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        if run.device.startswith("cuda"):
+            torch.cuda.synchronize(run.device)
+    step_s = time.time() - t0
+    t0 = time.time()
+    val_losses(run, run.model)
+    val_s = time.time() - t0
+    evals = s.max_iters // s.eval_interval + 2  # the loop's, the last step's and the base's
+    peak = (torch.cuda.max_memory_allocated(run.device) if run.device.startswith("cuda") else
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return {"step_loss": round(loss, 4), "step_seconds": round(step_s, 3), "peak_memory_gb": round(peak / 1e9, 2),
+            "projected_minutes": round((step_s * s.max_iters + val_s * evals) / 60, 1)}
+
+
+def attention_kernel(config: GPTConfig, s: Settings, device: str) -> str:
+    """Which kernel serves attention at the run's shape: on CUDA, whether flash attention takes it."""
+    if not device.startswith("cuda"):
+        return "cpu: " + ("bf16 scores written out (model.attention)" if s.dtype == "bfloat16" and
+                          s.seq_len <= CPU_BF16_EXPLICIT_MAX else "fused scaled_dot_product_attention")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.zeros(1, config.n_head, s.seq_len, config.head_dim, device=device, dtype=DTYPES[s.dtype])
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+        try:
+            with sdpa_kernel(backend):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            return f"cuda: {backend.name.lower()}"
+        except RuntimeError:
+            continue
+    return "cuda: none"
+
+
 # --- the command line ---
 
 def nano_base_args(args: argparse.Namespace) -> argparse.Namespace | None:
@@ -492,6 +602,9 @@ def main() -> None:
     args = get_args()
     cli.keep_freed_memory()
     try:
+        if args.dry_run:
+            dry_run(args)
+            return
         base_args = nano_base_args(args)
         if base_args is not None:  # step 1 of 2: the embedded base, once; later runs load it from out/nano-base
             how = f"--out_dir {checkpoint.NANO_DIR} --resume" if base_args.resume else \

@@ -55,7 +55,7 @@ def target_logprob(logits: torch.Tensor, p: torch.Tensor, t: torch.Tensor) -> to
     some 100 nats below the best logit), the row's log-softmax gives the exact value instead of -inf."""
     logp = p.gather(1, t).log()
     lost = torch.isinf(logp).squeeze(1)
-    if lost.any():
+    if logp.device.type != "meta" and lost.any():  # meta tensors (lab/memory.py's count) hold no values
         logp[lost] = torch.log_softmax(logits[lost].float(), dim=-1).gather(1, t[lost])
     return logp
 
@@ -84,7 +84,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         # The matrix products run in the autocast dtype when autocast is on (bf16 on this project's CPUs); the
         # softmax and the loss always in fp32, and grad_w accumulates in fp32 over the chunks.
         device = h.device.type
-        mm = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        autocast = device != "meta" and torch.is_autocast_enabled(device)  # meta: lab/memory.py's count
+        mm = torch.get_autocast_dtype(device) if autocast else h.dtype
         w = weight.to(mm)
         rows = max(1, LOSS_CHUNK // weight.size(0))
         for i in range(0, len(h), rows):

@@ -8,10 +8,15 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from data.benchmarks import ARC_EASY, HELLASWAG, LAMBADA, WIKITEXT
+from data.sources import fetch, sha256
 from lab.checkpoint import NANO_DIR
 from lab.cli import format_table
-from lab.evaluation import evaluate
+from lab.evaluation import check_data, evaluate
 from model import GPT
+
+# The file each task reads under the lm-eval protocol
+TASK_FILES = {"lambada": LAMBADA, "wikitext": WIKITEXT, "hellaswag": HELLASWAG, "arc_easy": ARC_EASY["test"]}
 
 
 def benchmark_settings(eval_tasks: str, hellaswag_limit: int, dtype: str) -> dict:
@@ -19,6 +24,14 @@ def benchmark_settings(eval_tasks: str, hellaswag_limit: int, dtype: str) -> dic
     a base's saved results are reused only when these are equal."""
     tasks = [t for t in eval_tasks.split(",") if t and t != "none"]
     return {"tasks": tasks, "hellaswag_limit": hellaswag_limit, "protocol": "lm-eval", "dtype": dtype}
+
+
+def data_files(eval_tasks: str, mirror: str | None = None) -> dict[str, str]:
+    """{file: sha256} of each benchmark file a run reads (its end-of-run tasks, and LAMBADA, which a dry run scores),
+    each fetched and verified first (present, its pinned digest or full count, well-formed)."""
+    tasks = sorted({*benchmark_settings(eval_tasks, 0, "")["tasks"], "lambada"})
+    check_data(tasks, mirror)
+    return {TASK_FILES[t]: sha256(fetch(TASK_FILES[t], mirror)) for t in tasks}
 
 
 def benchmarks(model: GPT, base_model: GPT | None, tokenizer: Tokenizer, settings: dict, init_from: str,

@@ -1,0 +1,149 @@
+"""The GPU path, checked where there is no GPU: the memory estimate (the real code on the meta device, equal to what
+autograd saves on the CPU), the dry run end to end on a tiny Pythia-shaped folder, the order of DDP and
+torch.compile; and tests marked for CUDA, which tools/gpu_check.sh runs on a machine that has one."""
+
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from conftest import make_hf_model
+from lab.loss import TrainingObjective, training_loss
+from lab.memory import meta_model, saved_bytes, step_memory
+from model import GPT, GPTConfig
+
+PYTHIA_410M = GPTConfig(vocab_size=50304, n_layer=24, n_head=16, n_embd=1024, block_size=2048)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_check.sh runs these)")
+
+
+# --- the memory estimate ---
+
+@pytest.mark.parametrize("switches", [dict(preproj=True, skip=True), dict(lora_rank=4), dict()])
+def test_the_meta_count_equals_what_autograd_saves_on_the_cpu(switches):
+    """In fp32 the CPU's fused attention keeps what CUDA's flash kernel keeps (q, k, v, output, log-sum-exp), so the
+    count on the meta device must equal, byte for byte, the saved tensors of a real forward pass."""
+    config = GPTConfig(vocab_size=512, n_layer=2, n_head=4, n_embd=64, block_size=128, **switches)
+    torch.manual_seed(0)
+    model = GPT(config)
+    probe = bool(switches)
+    if probe:
+        model.freeze_base()
+    params, saved = {id(p) for p in model.parameters()}, {}
+
+    def pack(t):
+        if id(t) not in params:
+            saved[id(t)] = t
+        return t
+
+    x = torch.randint(0, 512, (4, 128))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        training_loss(model, x, x)
+    measured = sum(t.numel() * t.element_size() for t in saved.values())
+    assert saved_bytes(meta_model(config, probe), 4, 128) == measured > 0
+
+
+def test_the_papers_410m_step_fits_a_16_gb_card():
+    """--paper at pythia-410m (16 x 512, pre-proj + skip, bf16 throughout): under 14 GB in all, and the parts as
+    the review behind issue 21 put them (about 6.3 GB of activations)."""
+    est = step_memory(GPTConfig(**{**PYTHIA_410M.to_dict(), "preproj": True, "skip": True}), 16, 512, probe=True,
+                      pure_bf16=True)
+    assert est["total"] < 14e9 and 5.5e9 < est["activations"] < 7e9
+    assert est["weights"] == 2 * (405_334_016 + 88_080_384)  # every weight in bf16
+    assert est["optimizer"] == 2 * est["gradients"] == 2 * 2 * 88_080_384  # bf16 AdamW moments, no fp32 master
+    fp32_masters = step_memory(GPTConfig(**{**PYTHIA_410M.to_dict(), "preproj": True, "skip": True}), 16, 512,
+                               probe=True, pure_bf16=False)
+    assert fp32_masters["optimizer"] == 2 * 4 * 88_080_384
+
+
+# --- the dry run, end to end on the CPU ---
+
+def test_the_dry_run_checks_a_paper_run_and_writes_nothing(tmp_path, mirror, monkeypatch, capsys):
+    import data.sources
+    raw = open(f"{mirror}/wikitext/wiki.valid.raw", encoding="utf-8").read()
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("wikitext-103-raw/wiki.train.raw", raw)
+    monkeypatch.setattr(data.sources, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(data.sources, "download", lambda url: archive.getvalue())
+    base = tmp_path / "pythia-tiny"
+    make_hf_model(vocab=50304, d=64, max_pos=64).save_pretrained(base)
+    shutil.copy(f"{mirror}/tokenizers/20B_tokenizer.json", base / "tokenizer.json")
+    out = tmp_path / "run"
+    args = train.get_args(["--init_from", str(base), "--paper", "--preproj", "--skip", "--device", "cpu",
+                           "--batch_size", "4", "--seq_len", "64", "--eval_tokens", "256", "--eval_tasks", "lambada",
+                           "--out_dir", str(out), "--dry_run", "--mirror", mirror])
+    report = train.dry_run(args)
+    printed = capsys.readouterr().out
+    assert not out.exists() and f"dry run of {out}: nothing was written" in printed
+    assert report["device"] == "cpu" and report["torch"] == torch.__version__ and report["data"] == "wikitext103"
+    assert list(report["files"]) == ["lambada/lambada_test.jsonl"]  # the one task it scores, with its sha256
+    assert report["files"]["lambada/lambada_test.jsonl"].startswith("4aa8d02c")
+    assert report["memory_estimate_gb"]["total"] > 0 and report["step_seconds"] > 0 and report["peak_memory_gb"] > 0
+    assert report["projected_minutes"] > 0 and report["attention_kernel"].startswith("cpu: ")
+    assert set(report["lambada"]) == {"lm-eval", "paper"} and "ppl" in report["lambada"]["lm-eval"]
+    assert torch.isfinite(torch.tensor(report["step_loss"]))
+    (out / "ckpt.pt").parent.mkdir()
+    (out / "ckpt.pt").write_bytes(b"a run")  # a folder the real run would refuse: so does the dry run
+    with pytest.raises(SystemExit):
+        train.dry_run(args)
+
+
+# --- DDP and torch.compile, in the order PyTorch documents ---
+
+def test_ddp_is_wrapped_before_torch_compile(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", lambda m: calls.append("ddp") or ("ddp", m))
+    monkeypatch.setattr(torch, "compile", lambda m: calls.append("compile") or ("compiled", m))
+    model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16, block_size=16))
+    settings = train.Settings(compile=True)
+    wrapped = train.objective(model, settings, world=2)
+    assert calls == ["ddp", "compile"] and wrapped[0] == "compiled" and wrapped[1][0] == "ddp"
+    assert isinstance(wrapped[1][1], TrainingObjective)
+
+
+# --- on a CUDA GPU (skipped here, run by tools/gpu_check.sh) ---
+
+@CUDA
+def test_cuda_bf16_step_matches_the_cpu_fp32_step():
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=512, n_layer=2, n_head=4, n_embd=64, block_size=128, preproj=True, skip=True)
+    cpu = GPT(config)
+    cuda = GPT(config).cuda()
+    cuda.load_state_dict(cpu.state_dict())
+    x = torch.randint(0, 512, (4, 128))
+    ref = training_loss(cpu, x, x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = training_loss(cuda, x.cuda(), x.cuda())
+    assert abs(got.item() - ref.item()) < 0.02
+
+
+@CUDA
+def test_cuda_attention_takes_flash_at_pythias_shape():
+    """What the dry run reports for a --paper run of pythia-160m: flash attention serves its shape in bf16."""
+    config = GPTConfig(vocab_size=50304, n_layer=12, n_head=12, n_embd=768)
+    assert train.attention_kernel(config, train.Settings(dtype="bfloat16", seq_len=512), "cuda") == \
+        "cuda: flash_attention"
+
+
+# --- tools/gpu_check.sh: what can be checked of it without a GPU ---
+
+def test_the_gpu_check_script_parses_and_its_random_pythia_loads(tmp_path, mirror):
+    from conftest import ROOT
+    from lab.checkpoint import load_model
+    script = (Path(ROOT) / "tools" / "gpu_check.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(Path(ROOT) / "tools" / "gpu_check.sh")]).returncode == 0
+    maker = re.search(r"<<'EOF'\n(.*?)\nEOF", script, re.S).group(1)  # the random-weights folder, tiny here
+    subprocess.run([sys.executable, "-c", maker, str(tmp_path / "rand"), "2", "2", "64"], cwd=ROOT, check=True,
+                   env={**os.environ, "PREPROJ_MIRROR": mirror})
+    model, tok, _ = load_model(str(tmp_path / "rand"))
+    assert model.config.n_layer == 2 and model.config.vocab_size == 50304 and tok.get_vocab_size() > 50000
+    for flag in ("--dry_run", "--paper", "--device cuda", "--max_iters 100"):
+        assert flag in script
