@@ -139,8 +139,9 @@ def out_file(text: str) -> str:
 
 
 def is_hub_name(init_from: str) -> bool:
-    """A model that --init_from would fetch from the Hugging Face Hub (not nano, scratch or a local folder)."""
-    return init_from not in ("nano", "scratch") and not Path(init_from).exists()
+    """A model that --init_from fetches from the Hugging Face Hub: a Pythia name or id that is no local folder (as
+    lab.checkpoint.load_model tells them apart)."""
+    return init_from.startswith(("pythia-", "EleutherAI/")) and not Path(init_from).exists()
 
 
 def explicit_flags(p: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
