@@ -74,6 +74,14 @@ def config_from_hf(hf: dict, **switches) -> GPTConfig:
     missing = [k for k in ("vocab_size", "num_hidden_layers", "num_attention_heads", "hidden_size") if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks {', '.join(missing)}; it is not a complete GPT-NeoX config")
+    sizes = ("vocab_size", "num_hidden_layers", "num_attention_heads", "hidden_size", "max_position_embeddings",
+             "intermediate_size")
+    bad = [k for k in sizes if k in hf and (type(hf[k]) is not int or hf[k] < 1)]
+    if bad:
+        raise ValueError(f"config.json: {bad[0]} must be a positive integer, not {hf[bad[0]]!r}")
+    if hf["hidden_size"] % hf["num_attention_heads"]:
+        raise ValueError(f"config.json: hidden_size {hf['hidden_size']} is not divisible by num_attention_heads "
+                         f"{hf['num_attention_heads']}")
     if hf.get("hidden_act", "gelu") != "gelu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (Pythia uses exact 'gelu')")
     if hf.get("tie_word_embeddings", False):

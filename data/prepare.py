@@ -131,6 +131,9 @@ def prepare_nano(mirror: str | None = None, force: bool = False) -> Path:
 
 def load_nano_split(name: str) -> np.ndarray:
     meta = json.loads((NANO_DATA / "meta.json").read_text())
+    if not (NANO_DATA / f"{name}.bin").is_file():
+        raise DataError(f"{NANO_DATA / name}.bin is missing from the prepared corpus; rebuild it with "
+                        f"`python -m data.prepare --force`")
     stream = np.fromfile(NANO_DATA / f"{name}.bin", dtype=np.uint16)
     if stream.size != meta["splits"][name]["tokens"]:
         raise DataError(f"{NANO_DATA / name}.bin has {stream.size} tokens, meta.json says "

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 MIRROR_ENV = "PREPROJ_MIRROR"
+UMASK = os.umask(0)
+os.umask(UMASK)  # read once (umask can only be read by setting it)
 CACHE = Path(__file__).resolve().parent / "cache"
 NLTK = "https://raw.githubusercontent.com/nltk/nltk_data/gh-pages/packages/corpora"
 WIKITEXT2 = "https://wikitext.smerity.com/wikitext-2-raw-v1.zip"
@@ -104,6 +106,7 @@ def write_atomic(path: Path, content: bytes | str | Callable[[Path], None]) -> N
             content(tmp)
         else:
             tmp.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
+        os.chmod(tmp, 0o666 & ~UMASK)  # as a plain open() would create it (some writers make their files 0600)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)  # the bytes are on disk before the rename makes them the file

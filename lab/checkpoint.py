@@ -150,6 +150,11 @@ def load_model(init_from: str, *, mirror: str | None = None, **switches) -> tupl
             tok = load_tokenizer(str(tok_path if tok_path.exists() else fetch("tokenizers/20B_tokenizer.json", mirror)))
         except (ValueError, OSError) as e:
             raise CheckpointError(str(e)) from e
+        if tok.get_vocab_size() > model.config.vocab_size:  # its ids would index past the embedding
+            source = str(tok_path) if tok_path.exists() else "Pythia's tokenizer (the folder has no tokenizer.json)"
+            raise CheckpointError(f"{init_from}: {source} has {tok.get_vocab_size():,} tokens, more than the model's "
+                                  f"vocab_size {model.config.vocab_size:,}; put the model's own tokenizer.json in "
+                                  f"the folder")
         ref = {"init_from": portable_name(init_from), "sha256": weights_sha256(model)}
         if not folder.is_dir():  # a Hub snapshot's folder is named by the commit it holds
             ref["revision"] = Path(hf_dir).name

@@ -70,6 +70,14 @@ def positive_float(text: str) -> float:
     return _number(text, float, lambda v: v > 0, "a finite number > 0")
 
 
+def positive_float_list(text: str) -> tuple[float, ...]:
+    """One or more comma-separated finite numbers > 0 (a learning-rate grid)."""
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers > 0, got {text!r}")
+    return tuple(positive_float(t) for t in parts)
+
+
 def nonneg_float(text: str) -> float:
     return _number(text, float, lambda v: v >= 0, "a finite number >= 0")
 

@@ -39,6 +39,7 @@ import torch
 from data.prepare import split_tokens
 from data.sources import DataError
 from lab.checkpoint import NANO_DIR, ROOT, CheckpointError, load_model, read_checkpoint, save_run_file
+from lab.cli import ArgumentParser, nonneg_int, positive_float_list, positive_int
 from lab.evaluation import TASKS, window_losses
 from lab.precision import for_inference, resolve_dtype
 from lab.recipes import STUDY_BASE, flags
@@ -164,7 +165,8 @@ def train_job(job: Job, init_from: str, d: int, args) -> bool:
         return True
     argv = train_argv(job, init_from, d, args)
     recorded = read_json(folder / "job.json").get("train")
-    if recorded and recorded[2:] != argv[2:] and not args.dry_run:
+    trained = (folder / "ckpt.pt").is_file()  # a command refused before its first step trained nothing: retry it
+    if recorded and recorded[2:] != argv[2:] and trained and not args.dry_run:
         raise SystemExit(f"error: {folder} was started with other settings ({shlex.join(recorded[2:])}); "
                          f"pass another --out or delete that folder")
     print(f"[train] {job.name()}", flush=True)
@@ -391,10 +393,6 @@ def grid_record(args) -> dict:
 
 # --- the command line ---
 
-def parse_list(text: str, kind=float) -> tuple:
-    return tuple(kind(x) for x in text.split(",") if x.strip())
-
-
 def parse_limits(text: str, tasks: list[str]) -> dict[str, int]:
     """TASK=N,... (a bare N: every task) over LIMITS."""
     limits = dict(LIMITS)
@@ -420,24 +418,26 @@ def select(only: str, bases: dict) -> tuple[dict, list[str], list[str]]:
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m study.grid", description=__doc__,
+    p = ArgumentParser(prog="python -m study.grid", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry_run", action="store_true", help="print the commands of the grid; run nothing")
     p.add_argument("--only", default="", help="comma-separated bases, settings and methods (a kind not named: all)")
     p.add_argument("--bases", default="", help="NAME=MODEL,... instead of study=out/study-base,nano=nano (the "
                                                "first is the primary base, the only one that runs " +
                                                ", ".join(PRIMARY_ONLY) + ")")
-    p.add_argument("--steps", type=int, default=STEPS, help="training steps of every run")
-    p.add_argument("--seeds", type=int, default=SEEDS, help=f"seeds per method: {FIRST_SEED}, {FIRST_SEED + 1}, ...")
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--lrs", default=",".join(f"{x:g}" for x in PROBE_LRS), help="the probes' lr grid")
-    p.add_argument("--full_lrs", default=",".join(f"{x:g}" for x in FULL_LRS), help="full fine-tuning's lr grid")
+    p.add_argument("--steps", type=positive_int, default=STEPS, help="training steps of every run")
+    p.add_argument("--seeds", type=positive_int, default=SEEDS,
+                   help=f"seeds per method: {FIRST_SEED}, {FIRST_SEED + 1}, ...")
+    p.add_argument("--batch_size", type=positive_int, default=16)
+    p.add_argument("--lrs", type=positive_float_list, default=PROBE_LRS, help="the probes' lr grid, comma-separated")
+    p.add_argument("--full_lrs", type=positive_float_list, default=FULL_LRS, help="full fine-tuning's lr grid")
     p.add_argument("--tasks", default=",".join(EXPERIMENT_TASKS), help="benchmarks of every reported run")
-    p.add_argument("--max_extend", type=int, default=MAX_EXTEND,
+    p.add_argument("--max_extend", type=nonneg_int, default=MAX_EXTEND,
                    help="points a learning-rate search may add beyond the edge of its grid")
     p.add_argument("--limit", default="", help=f"items per task, TASK=N,... or N for all (0 = full set); "
                                                f"default {','.join(f'{t}={n}' for t, n in LIMITS.items())}")
-    p.add_argument("--heldout_tokens", type=int, default=0, help="held-out tokens per loss (0 = the whole split)")
+    p.add_argument("--heldout_tokens", type=nonneg_int, default=0,
+                   help="held-out tokens per loss (0 = the whole split)")
     add_shared_args(p)
     args = p.parse_args(argv)
     pairs = [b.split("=", 1) for b in args.bases.split(",") if b]
@@ -447,12 +447,11 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.primary = next(iter(bases))
     args.bases, args.settings, args.methods = select(args.only, bases)
     args.tasks = [t for t in args.tasks.split(",") if t]
-    if any(t not in TASKS for t in args.tasks) or args.steps < 1 or args.seeds < 1 or args.max_extend < 0:
-        raise SystemExit(f"error: --tasks takes {', '.join(TASKS)}; --steps and --seeds must be positive, "
-                         f"--max_extend at least 0")
+    unknown = [t for t in args.tasks if t not in TASKS]
+    if unknown:
+        p.error(f"--tasks: unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
     args.limits = parse_limits(args.limit, args.tasks)
     args.seeds = [FIRST_SEED + i for i in range(args.seeds)]
-    args.lrs, args.full_lrs = parse_list(args.lrs), parse_list(args.full_lrs)
     args.out = Path(args.out).resolve()
     args.version, args.command = code_version(), ["python", "-m", "study.grid", *(sys.argv[1:] if argv is None
                                                                                   else argv)]

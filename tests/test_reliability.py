@@ -200,6 +200,12 @@ def damage(folder: Path, how: str) -> None:
         (folder / "config.json").write_bytes(b'{"model_type": "gpt_neox\xff\xfe"}')
     elif how == "garbage tokenizer":
         (folder / "tokenizer.json").write_text("<html>not found</html>")
+    elif how in ("zero heads", "a number as a string"):
+        config = json.loads((folder / "config.json").read_text())
+        config.update({"num_attention_heads": 0} if how == "zero heads" else {"num_hidden_layers": "2"})
+        (folder / "config.json").write_text(json.dumps(config))
+    elif how == "no tokenizer":  # Pythia's 50k tokenizer would be taken, and index past a 512-token embedding
+        (folder / "tokenizer.json").unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("how,message", [
@@ -208,6 +214,10 @@ def damage(folder: Path, how: str) -> None:
     ("config without a field", "config.json lacks hidden_size"),
     ("config not UTF-8", "config.json is not a readable JSON file"),
     ("garbage tokenizer", "tokenizer.json is not a readable tokenizer.json"),
+    ("zero heads", "config.json: num_attention_heads must be a positive integer, not 0"),
+    ("a number as a string", "config.json: num_hidden_layers must be a positive integer, not '2'"),
+    ("no tokenizer", "Pythia's tokenizer (the folder has no tokenizer.json) has 50,277 tokens, more than the model's "
+                     "vocab_size 512"),
 ])
 def test_damaged_hugging_face_folder(tiny_hf_dir, tmp_path, monkeypatch, capsys, how, message):
     folder = tmp_path / "hf"
@@ -499,7 +509,7 @@ def test_a_run_never_writes_into_the_folder_it_reads(tiny_hf_dir, tmp_path, monk
     line = main_error(monkeypatch, capsys, train, ["--init_from", base, "--skip", "--out_dir", base])
     assert line == f"error: --out_dir {base} is the --init_from folder, which this run reads; write the run to " \
                    f"another folder"
-    assert snapshot(base) == before and load_model(str(base))[0] is not None
+    assert snapshot(base) == before  # config.json and the weights untouched
 
 
 def test_a_probe_that_names_itself_as_its_base_is_one_line(stopped_probe, tmp_path):
@@ -638,3 +648,44 @@ def test_wikitext103_from_the_mirror_or_a_damaged_download(mirror, tmp_path, mon
                                         r"again to download it anew"):
         prepare.wikitext103_probe_lines(tok, n_lines=5)
     assert not cached.exists() and cached.with_name(cached.name + ".bad").is_file()
+
+
+def test_a_prepared_split_deleted_from_the_cache_is_one_line(monkeypatch, tmp_path):
+    from data import prepare
+    folder = tmp_path / "nano"
+    shutil.copytree(prepare.NANO_DATA, folder)
+    (folder / "val.bin").unlink()
+    monkeypatch.setattr(prepare, "NANO_DATA", folder)
+    with pytest.raises(DataError, match=r"val.bin is missing from the prepared corpus; rebuild it with `python -m "
+                                        r"data.prepare --force`"):
+        prepare.load_nano_split("val")
+
+
+@pytest.mark.parametrize("module, argv, words", [
+    ("study.grid", ["--lrs", "abc"], "argument --lrs: expected a finite number > 0, got 'abc'"),
+    ("study.grid", ["--lrs", ","], "argument --lrs: expected comma-separated numbers > 0, got ','"),
+    ("study.grid", ["--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
+    ("study.grid", ["--tasks", "piqa"], "--tasks: unknown task 'piqa'"),
+    ("tools.compare", ["a.json"], "the following arguments are required: b"),
+    ("tools.compare", ["a.json", "b.json", "--resamples", "-1"], "argument --resamples: expected an integer >= 1"),
+    ("tools.harness", ["--init_from", "nano", "--tasks", "x", "--include_path", "no/such/folder"],
+     "--include_path no/such/folder: no such folder of task YAML files"),
+])
+def test_the_study_and_the_tools_answer_bad_flags_in_one_line(module, argv, words):
+    proc = script("-m", module, *argv)
+    line = error_line(proc.returncode, proc.stderr)
+    assert words in line, line
+
+
+def test_exported_files_are_readable_by_others(tmp_path):
+    """Every file is written with the usual permissions (0666 less the umask), not 0600 as safetensors makes its
+    files, so that a shared machine's other users can load an export."""
+    from safetensors.torch import save_file
+
+    from data import sources
+    plain = tmp_path / "plain.safetensors"
+    save_file({"x": torch.zeros(2)}, str(plain))
+    ours = tmp_path / "model.safetensors"
+    sources.write_atomic(ours, lambda p: save_file({"x": torch.zeros(2)}, str(p)))
+    assert plain.stat().st_mode & 0o777 == 0o600  # what safetensors alone gives
+    assert ours.stat().st_mode & 0o777 == 0o666 & ~sources.UMASK

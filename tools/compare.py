@@ -15,18 +15,18 @@ from pathlib import Path
 
 from data.sources import DataError
 from lab.checkpoint import save_run_file
-from lab.cli import format_table
+from lab.cli import ArgumentParser, format_table, nonneg_int, positive_int
 from lab.evaluation import read_items
 from lab.stats import LEVEL, RESAMPLES, SEED, compare_items
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.compare", description=__doc__,
+    p = ArgumentParser(prog="python -m tools.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("a", help="evaluation A: eval_lambada.py's JSON summary or its .items.jsonl")
     p.add_argument("b", help="evaluation B, of the same items")
-    p.add_argument("--resamples", type=int, default=RESAMPLES, help="bootstrap draws")
-    p.add_argument("--seed", type=int, default=SEED, help="seed of the bootstrap's generator")
+    p.add_argument("--resamples", type=positive_int, default=RESAMPLES, help="bootstrap draws")
+    p.add_argument("--seed", type=nonneg_int, default=SEED, help="seed of the bootstrap's generator")
     p.add_argument("--out", default="compare.json", help="where to write the JSON results")
     return p.parse_args(argv)
 

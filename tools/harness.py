@@ -185,7 +185,10 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit", type=positive_int, default=None, help="score only the first N items of each task")
     p.add_argument("--batch_size", type=positive_int, default=32)
     p.add_argument("--out", type=out_file, default="harness.json", help="where to write the JSON summary")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.include_path and not Path(args.include_path).is_dir():  # else the task name would take the blame
+        p.error(f"--include_path {args.include_path}: no such folder of task YAML files")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:
