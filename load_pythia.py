@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from data.sources import write_atomic
+from data.sources import write_atomic, write_error
 from model import GPT, GPTConfig, LoRALinear
 
 # Buffers that old Pythia checkpoints carry and that we recompute: ignored on load.
@@ -292,7 +292,10 @@ def write_folder(target: Path, files: dict) -> None:
     hidden folder beside the target, then renamed to it, so a failure leaves nothing behind."""
     tmp = target.with_name(f".{target.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # the remains of an export that was killed
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:  # a read-only file system, say
+        raise write_error(target, e) from e
     try:
         for name, content in files.items():
             write_atomic(tmp / name, content)

@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from data import batches, prepare, text
-from data.sources import DataError
+from data.sources import DataError, write_error
 from lab import checkpoint, cli, run_folder, run_report
 from lab.checkpoint import CheckpointError
 from lab.evaluation import TASKS, check_data, evaluate, val_loss
@@ -113,7 +113,7 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     if p.parse_known_args(argv)[0].paper:  # the recipe becomes the defaults, so any form of a flag overrides it
         p.set_defaults(**PAPER_PROBE)
     args = p.parse_args(argv)
-    if args.n_embd % args.n_head:
+    if args.n_embd % args.n_head and not args.resume:  # a resumed run keeps its saved shape (saved_settings)
         p.error(f"--n_embd {args.n_embd} is not divisible by --n_head {args.n_head}")
     if args.eval_tasks is None:
         args.eval_tasks = "none" if text.is_path(args.data) else "lambada,wikitext,hellaswag"
@@ -616,6 +616,8 @@ def main() -> None:
         train(args)
     except (CheckpointError, DataError) as e:
         raise SystemExit(f"error: {e}")
+    except OSError as e:  # the run folder cannot be made or locked: a read-only file system, say
+        raise SystemExit(f"error: {write_error(Path(e.filename or args.out_dir or '.'), e)}")
     except Diverged as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(run_folder.EXIT_DIVERGED)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from lab.checkpoint import ROOT
-from lab.cli import positive_int
+from lab.cli import out_folder, positive_int
 from lab.precision import DTYPES
 from model import GPTConfig
 
@@ -199,7 +199,7 @@ def shared_flags(args, keys: tuple[str, ...] = ("device", "dtype", "mirror")) ->
 
 def add_shared_args(p: argparse.ArgumentParser) -> None:
     """The options of both study/grid.py and study/report.py: the run folders, the window, where to compute."""
-    p.add_argument("--out", default=str(OUT), help="folder of the run folders")
+    p.add_argument("--out", type=out_folder, default=str(OUT), help="folder of the run folders")
     p.add_argument("--seq_len", type=positive_int, default=256,
                    help="window length: of training and held-out losses (grid), of the layer analysis (report)")
     p.add_argument("--device", default=None, help="passed to every script (default: theirs)")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from data.sources import DataError, write_atomic
 from lab.checkpoint import ROOT, CheckpointError, portable_name
-from lab.cli import ArgumentParser, format_table, positive_int
+from lab.cli import ArgumentParser, format_table, out_file, positive_int
 from lab.evaluation import read_items, task_metrics
 from lab.recipes import STUDY_BASE, flags
 from lab.stats import RESAMPLES, by_task, check_same_items, last_over_first, paired_intervals, seed_mean, trend
@@ -384,7 +384,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(prog="python -m study.report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shared_args(p)
-    p.add_argument("--results", default=str(ROOT / "study" / "RESULTS.md"), help="the file written, figures/ beside it")
+    p.add_argument("--results", type=out_file, default=str(ROOT / "study" / "RESULTS.md"),
+                   help="the file written, figures/ beside it")
     p.add_argument("--resamples", type=positive_int, default=RESAMPLES, help="bootstrap draws of the comparisons")
     p.add_argument("--layer_tokens", type=positive_int, default=16384, help="held-out tokens of the layer analysis")
     args = p.parse_args(argv)

@@ -670,6 +670,8 @@ def test_a_prepared_split_deleted_from_the_cache_is_one_line(monkeypatch, tmp_pa
     ("tools.compare", ["a.json", "b.json", "--resamples", "-1"], "argument --resamples: expected an integer >= 1"),
     ("tools.harness", ["--init_from", "nano", "--tasks", "x", "--include_path", "no/such/folder"],
      "--include_path no/such/folder: no such folder of task YAML files"),
+    ("tools.bench", ["--seq", "5000"], "--seq 5000 is longer than the models' window of 2048 positions"),
+    ("tools.bench", ["--new_tokens", "100000"], "ask for at most 2032"),
 ])
 def test_the_study_and_the_tools_answer_bad_flags_in_one_line(module, argv, words):
     proc = script("-m", module, *argv)
@@ -689,3 +691,33 @@ def test_exported_files_are_readable_by_others(tmp_path):
     sources.write_atomic(ours, lambda p: save_file({"x": torch.zeros(2)}, str(p)))
     assert plain.stat().st_mode & 0o777 == 0o600  # what safetensors alone gives
     assert ours.stat().st_mode & 0o777 == 0o666 & ~sources.UMASK
+
+
+UNWRITABLE = "/sys/preproj-test"  # sysfs: not even root may create files there (a real EPERM, like a read-only disk)
+
+
+@pytest.mark.parametrize("argv", [
+    ["train.py", "--skip", "--max_iters", "2", "--eval_tasks", "none", "--out_dir", UNWRITABLE],
+    ["-m", "tools.export", "--init_from", "{micro_base}", "--out", UNWRITABLE],
+    ["-m", "study.grid", "--bases", "micro={micro_base}", "--only", "baseline", "--tasks", "lambada", "--out",
+     UNWRITABLE],
+])
+def test_an_output_that_cannot_be_written_is_one_line(micro_base, argv):
+    proc = script(*(a.format(micro_base=micro_base) for a in argv))
+    assert f"could not write {UNWRITABLE}" in error_line(proc.returncode, proc.stderr, strict=False)
+
+
+def test_compare_writes_only_where_it_can(micro_base, tmp_path, mirror):
+    script("eval_lambada.py", "--init_from", micro_base, "--tasks", "lambada", "--limit", "2", "--dtype", "float32",
+           "--out", tmp_path / "a.json", check=True)
+    for out, words in ((tmp_path, "is a folder; pass a file name"), (f"{UNWRITABLE}/c.json", "could not write")):
+        proc = script("-m", "tools.compare", tmp_path / "a.json", tmp_path / "a.json", "--out", out)
+        assert words in error_line(proc.returncode, proc.stderr), proc.stderr
+
+
+def test_resume_with_a_shape_flag_names_that_flag(stopped_probe, tmp_path, monkeypatch, capsys):
+    """--resume --n_embd 64 used to blame the default --n_head 3, which the user never passed."""
+    probe = tmp_path / "probe"
+    shutil.copytree(stopped_probe, probe)
+    line = main_error(monkeypatch, capsys, train, ["--out_dir", probe, "--resume", "--n_embd", "64"])
+    assert "would ignore --n_embd 64 (saved: 32)" in line and "--n_head" not in line

@@ -51,6 +51,8 @@ from lab.recipes import NANO_SHAPE
 from load_pythia import load_pythia
 from model import GPT, GPTConfig, KVCache, attention
 
+PROMPT_TOKENS = 16  # section 5's prompt
+WINDOW = GPTConfig().block_size  # every shape's (GPTConfig's default, Pythia's 2048)
 SHAPES = {  # name: GPTConfig's shape settings
     "nano": dict(vocab_size=VOCAB_SIZE, **{k: NANO_SHAPE[k] for k in ("n_layer", "n_head", "n_embd")}),  # embedded
     "pythia-70m": dict(vocab_size=50304, n_layer=6, n_head=8, n_embd=512),
@@ -308,7 +310,7 @@ def bench_eval(model: GPT, tokenizer, n_docs: int, mirror: str | None) -> list[d
 
 def bench_generation(model: GPT, new_tokens: int, device: str) -> list[dict]:
     """Section 5: K/V-cached vs uncached generation; cache bytes with and without the switches."""
-    prompt = torch.randint(0, model.config.vocab_size, (1, 16), device=device)
+    prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT_TOKENS), device=device)
     t = {}
     for use_cache in (True, False):
         sync(device)
@@ -519,6 +521,11 @@ def main() -> None:
     unused = sorted(explicit_flags(p, None) & set(SMOKE)) if args.smoke else []
     if unused:
         p.error(f"--smoke sets its own {', '.join('--' + k for k in unused)}; drop them, or drop --smoke")
+    if args.seq > WINDOW:
+        p.error(f"--seq {args.seq} is longer than the models' window of {WINDOW} positions")
+    if PROMPT_TOKENS + args.new_tokens > WINDOW:
+        p.error(f"--new_tokens {args.new_tokens}: with section 5's {PROMPT_TOKENS}-token prompt it passes the "
+                f"models' window of {WINDOW} positions; ask for at most {WINDOW - PROMPT_TOKENS}")
     malloc = "glibc default" if args.system_malloc else "freed memory kept, as train.py" if keep_freed_memory() \
         else "system default"
     if args.memory_child:

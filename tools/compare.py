@@ -15,7 +15,7 @@ from pathlib import Path
 
 from data.sources import DataError
 from lab.checkpoint import save_run_file
-from lab.cli import ArgumentParser, format_table, nonneg_int, positive_int
+from lab.cli import ArgumentParser, format_table, nonneg_int, out_file, positive_int
 from lab.evaluation import read_items
 from lab.stats import LEVEL, RESAMPLES, SEED, compare_items
 
@@ -27,7 +27,7 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("b", help="evaluation B, of the same items")
     p.add_argument("--resamples", type=positive_int, default=RESAMPLES, help="bootstrap draws")
     p.add_argument("--seed", type=nonneg_int, default=SEED, help="seed of the bootstrap's generator")
-    p.add_argument("--out", default="compare.json", help="where to write the JSON results")
+    p.add_argument("--out", type=out_file, default="compare.json", help="where to write the JSON results")
     return p.parse_args(argv)
 
 
@@ -46,7 +46,10 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"a": args.a, "b": args.b, "resamples": args.resamples, "seed": args.seed, "level": LEVEL,
               "rows": rows}
     out = Path(args.out)
-    save_run_file(out.parent, out.name, report)
+    try:
+        save_run_file(out.parent, out.name, report)
+    except DataError as e:  # a full disk, a read-only folder
+        raise SystemExit(f"error: {e}")
     print(f"wrote {out}")
     return report
 
