@@ -38,7 +38,7 @@ from typing import Iterable
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from data.sources import CACHE, DataError, archive, fetch, fetch_folder, mirror_dir, sha256, write_atomic
+from data.sources import CACHE, DataError, archive, fetch, fetch_folder, mirror_dir, read_text, sha256, write_atomic
 
 NANO_DATA = CACHE / "nano"
 EOT = "<|endoftext|>"
@@ -71,7 +71,8 @@ def corpus_splits(mirror: str | None = None) -> dict[str, list[Path]]:
 
 
 def read_docs(paths: list[Path]) -> list[str]:
-    return [p.read_text(encoding="utf-8").strip() for p in paths]
+    """Each file's text, stripped; a file that is not UTF-8 is a DataError naming it."""
+    return [read_text(p).strip() for p in paths]
 
 
 def part_docs(name: str, mirror: str | None = None) -> list[str]:

@@ -721,3 +721,12 @@ def test_resume_with_a_shape_flag_names_that_flag(stopped_probe, tmp_path, monke
     shutil.copytree(stopped_probe, probe)
     line = main_error(monkeypatch, capsys, train, ["--out_dir", probe, "--resume", "--n_embd", "64"])
     assert "would ignore --n_embd 64 (saved: 32)" in line and "--n_head" not in line
+
+
+def test_a_corpus_file_that_is_not_utf8_is_named(tmp_path):
+    from data import prepare
+    bad = tmp_path / "state_union" / "1999-Clinton.txt"
+    bad.parent.mkdir()
+    bad.write_bytes("Mr. Speaker, caf\xe9".encode("latin-1"))
+    with pytest.raises(DataError, match=r"1999-Clinton.txt is not UTF-8 text \(byte 16\); replace the file"):
+        prepare.read_docs([bad])
