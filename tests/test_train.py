@@ -288,6 +288,35 @@ def test_the_papers_whole_recipe_runs_on_a_tiny_pythia(tmp_path, mirror, monkeyp
                            "--mirror", mirror, "--out", str(tmp_path / "none.json")])
 
 
+def test_the_documented_commands_run_in_miniature(tmp_path, mirror):
+    """tools/reproduce.sh, the commands docs/reproduce.md gives, run as they are on a tiny random Pythia-shaped
+    folder on the CPU: the paper's probe text comes from a mirror slot (WikiText-2's validation lines standing in
+    for WikiText-103 train), sizes from TRAIN_EXTRA and EVAL_EXTRA. Every file the docs promise must appear."""
+    local = tmp_path / "mirror"
+    local.mkdir()
+    for entry in os.listdir(mirror):
+        os.symlink(os.path.join(mirror, entry), local / entry)
+    (local / "wikitext103").mkdir()
+    shutil.copy(os.path.join(mirror, "wikitext", "wiki.valid.raw"), local / "wikitext103" / "wiki.train.raw")
+    base = tmp_path / "pythia-tiny"
+    make_hf_model(vocab=50304, d=64, max_pos=64).save_pretrained(base)
+    shutil.copy(os.path.join(mirror, "tokenizers", "20B_tokenizer.json"), base / "tokenizer.json")
+    env = {**os.environ, "PREPROJ_MIRROR": str(local), "OUT": str(tmp_path / "out"), "DEVICE": "cpu",
+           "TRAIN_EXTRA": "--max_iters 2 --batch_size 2 --seq_len 64 --eval_tokens 256", "EVAL_EXTRA": "--limit 4"}
+    proc = subprocess.run(["bash", "tools/reproduce.sh", str(base), "8"], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out"
+    runs = ["pythia-tiny-preproj", "pythia-tiny-lora8", "pythia-tiny-preproj-lora64", "pythia-tiny-preproj-skip",
+            "pythia-tiny-preproj-skip-fp32"]
+    for folder in ["pythia-tiny-base", *runs]:
+        for name in ("eval-paper.json", "eval-lmeval.json"):
+            assert (out / folder / name).is_file(), (folder, name)
+    assert read_checkpoint(out / runs[3])["train_args"]["data"] == "wikitext103"
+    assert json.loads((out / "pythia-tiny-compare.json").read_text())["rows"]
+    assert (out / "pythia-tiny-layers" / "layers.png").is_file()
+
+
 def test_settings_are_resolved_once_and_recorded(micro_base, tmp_path):
     """The command line is never changed by a run: its settings are resolved once (the window for --seq_len 0, the
     dtype for --dtype auto) into a read-only object, which the checkpoint records as train_args."""
