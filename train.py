@@ -201,19 +201,20 @@ def train(args: argparse.Namespace) -> tuple[GPT, dict]:
     """Run one training job; returns the model and the final metrics (empty when it stops early). Bad input stops
     it with a one-line SystemExit before anything is written."""
     rank, world, device = cli.setup_distributed(args.device)
-    check_request(args, world)
     out_dir = run_dir(args)
     refuse_input_as_output(args, out_dir)
     run_folder.refuse_existing_run(out_dir, args.resume)
     torch.manual_seed(args.seed)
-    model, tokenizer, base_ref, base_model = build_model(args)
-    probe = args.init_from != "scratch" and not args.full_finetune
-    if probe:
-        check_probe(model)
-        model.freeze_base()  # the frozen probe: from here on only the new parameters learn
-    s = resolve_settings(args, model.config.block_size, device)
-    train_data, vals, data_source = batches.load_data(s.init_from, s.data, s.seq_len, tokenizer, s.mirror,
-                                                      s.val_splits)
+    with cli.first_rank_first(rank, world):  # under torchrun one process fetches and prepares, then the others read
+        check_request(args, world)
+        model, tokenizer, base_ref, base_model = build_model(args)
+        probe = args.init_from != "scratch" and not args.full_finetune
+        if probe:
+            check_probe(model)
+            model.freeze_base()  # the frozen probe: from here on only the new parameters learn
+        s = resolve_settings(args, model.config.block_size, device)
+        train_data, vals, data_source = batches.load_data(s.init_from, s.data, s.seq_len, tokenizer, s.mirror,
+                                                          s.val_splits)
     check_lengths(s, model, vals)
     put_on_device(s, model, base_model, device)
     optimizer = make_optimizer(model, s)

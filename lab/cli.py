@@ -8,8 +8,9 @@ import ctypes
 import math
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -217,6 +218,17 @@ def keep_freed_memory() -> bool:
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
     return bool(mallopt) and mallopt(m_mmap_threshold, 2**30) == 1 and mallopt(m_trim_threshold, 2**30) == 1
+
+
+@contextmanager
+def first_rank_first(rank: int, world: int) -> Iterator[None]:
+    """Rank 0 runs the block first (downloads, the corpus's preparation, caches) while the other processes wait,
+    then they run it and find everything in place. One process alone just runs it."""
+    if world > 1 and rank > 0:
+        dist.barrier()
+    yield
+    if world > 1 and rank == 0:
+        dist.barrier()
 
 
 def setup_distributed(device: str) -> tuple[int, int, str]:

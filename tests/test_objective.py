@@ -109,3 +109,17 @@ def test_a_batch_of_documents_is_padded_to_its_longest_row_with_the_same_objecti
         assert torch.allclose(g, full_grads[name], rtol=1e-5, atol=1e-7), name
     long_doc = [rng.integers(1, 64, 100).astype(np.uint16)] * 2  # a document beyond the window is cut to seq_len
     assert global_batch(long_doc, step=0, rows=2, seq_len=32, seed=0)[0].shape == (2, 32)
+
+
+def test_under_torchrun_rank_0_fetches_first_and_the_others_wait(monkeypatch):
+    """train.py reads its data inside cli.first_rank_first: rank 0 runs the block while the others wait at a
+    barrier, then they run it and find the downloads and the prepared corpus in place."""
+    from lab import cli
+    events = []
+    monkeypatch.setattr(dist, "barrier", lambda: events.append("barrier"))
+    for rank in (0, 1):
+        with cli.first_rank_first(rank, world=2):
+            events.append(f"rank {rank} reads")
+    with cli.first_rank_first(0, world=1):
+        events.append("alone")
+    assert events == ["rank 0 reads", "barrier", "barrier", "rank 1 reads", "alone"]
