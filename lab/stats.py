@@ -1,6 +1,7 @@
 """
-Paired statistics for evaluations of the same items (tools/compare.py and study/ use them), and the growth over
-depth of a per-layer series (analyze_layers.py and study/).
+Paired statistics for evaluations of the same items (tools/compare.py and study/ use them), paired statistics with
+seeds as the unit (the 500-step experiment's contrasts: a t-interval, a two-level bootstrap over seeds and held-out
+windows, Holm's adjustment), and the growth over depth of a per-layer series (analyze_layers.py and study/).
 
 Both evaluations scored the same passages and questions, so their differences are paired: resampling items (not
 the two evaluations separately) removes the item-to-item variation both share, and for accuracies only the items
@@ -140,6 +141,90 @@ def seed_mean(runs: list[list[dict]], metric) -> tuple[np.ndarray, np.ndarray]:
     num = np.mean([[metric.num(r) for r in recs] for recs in runs], axis=0)
     den = np.mean([[metric.den(r) for r in recs] for recs in runs], axis=0)
     return num, den
+
+
+# --- seeds as the unit: the pre-registered contrasts of the 500-step experiment (docs/experiment.md) ---
+
+def _incomplete_beta(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b), by its continued fraction (modified Lentz)."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    if x > (a + 1) / (a + b + 2):  # the fraction converges fast below its mean: use the symmetry there
+        return 1.0 - _incomplete_beta(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log(1 - x)) / a
+    tiny, c, d, f = 1e-300, 1.0, 0.0, 1.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            num = 1.0
+        elif i % 2 == 0:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1.0 + num * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + num / c
+        c = c if abs(c) > tiny else tiny
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-15:
+            break
+    return front * (f - 1.0)
+
+
+def t_sf_two_sided(t: float, df: float) -> float:
+    """P(|T| >= |t|) for Student's t with df degrees of freedom."""
+    return _incomplete_beta(df / 2, 0.5, df / (df + t * t))
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The p-quantile (p > 0.5) of Student's t with df degrees of freedom, by bisection on the exact tail."""
+    low, high = 0.0, 1e6
+    for _ in range(200):
+        mid = (low + high) / 2
+        low, high = (mid, high) if t_sf_two_sided(mid, df) / 2 > 1 - p else (low, mid)
+    return (low + high) / 2
+
+
+def paired_t(diffs: Sequence[float], level: float = LEVEL) -> dict[str, float]:
+    """The paired-by-seed difference: its mean, the t-interval at `level` and the two-sided p-value, with the seeds
+    as the unit of replication (n - 1 degrees of freedom)."""
+    d = np.asarray(diffs, dtype=float)
+    n, mean = len(d), float(d.mean())
+    se = float(d.std(ddof=1) / math.sqrt(n))
+    if se == 0.0:
+        return {"n": n, "mean": mean, "low": mean, "high": mean, "p": 0.0 if mean else 1.0}
+    half = t_quantile(1 - (1 - level) / 2, n - 1) * se
+    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half, "p": t_sf_two_sided(mean / se, n - 1)}
+
+
+def two_level_bootstrap(a: np.ndarray, b: np.ndarray, resamples: int = RESAMPLES, seed: int = SEED,
+                        level: float = LEVEL) -> tuple[float, float]:
+    """The interval of mean(a) - mean(b) for [seed, window] arrays of per-window losses, paired on both levels:
+    each draw resamples the seeds with replacement, then the windows with replacement, the same indices for both
+    arms. It counts seed and window noise together."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.shape != b.shape:
+        raise ValueError(f"the two arms hold different seeds or windows ({a.shape} vs {b.shape})")
+    rng = np.random.default_rng(seed)
+    seeds, windows = a.shape
+    diff = a - b
+    draws = np.empty(resamples)
+    for i in range(resamples):
+        rows = rng.integers(0, seeds, seeds)
+        cols = rng.integers(0, windows, (seeds, windows))
+        draws[i] = diff[rows[:, None], cols].mean()
+    tail = (1 - level) / 2 * 100
+    return float(np.percentile(draws, tail)), float(np.percentile(draws, 100 - tail))
+
+
+def holm(pvalues: dict[str, float]) -> dict[str, float]:
+    """Holm's step-down adjustment of a family of p-values (family-wise error at any level), each capped at 1."""
+    order = sorted(pvalues, key=pvalues.get)
+    adjusted, running = {}, 0.0
+    for rank, name in enumerate(order):
+        running = max(running, min(1.0, (len(order) - rank) * pvalues[name]))
+        adjusted[name] = running
+    return adjusted
 
 
 # --- growth over depth of a per-layer series (analyze_layers.py, study/) ---
