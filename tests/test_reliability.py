@@ -730,3 +730,22 @@ def test_a_corpus_file_that_is_not_utf8_is_named(tmp_path):
     bad.write_bytes("Mr. Speaker, caf\xe9".encode("latin-1"))
     with pytest.raises(DataError, match=r"1999-Clinton.txt is not UTF-8 text \(byte 16\); replace the file"):
         prepare.read_docs([bad])
+
+
+def test_resume_on_a_read_only_file_system_is_one_line(probe_copy, monkeypatch, capsys):
+    """What a read-only mount answers when --resume takes the folder's lock (seen on a remounted tmpfs): EROFS,
+    which becomes one line naming the file, the checkpoint untouched."""
+    import builtins
+    before = snapshot(probe_copy)
+    real_open = builtins.open
+
+    def read_only(path, mode="r", *args, **kwargs):
+        if str(path).startswith(str(probe_copy)) and any(c in mode for c in "wa+x"):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", read_only)
+    line = main_error(monkeypatch, capsys, train, ["--out_dir", probe_copy, "--resume"], strict=False)
+    monkeypatch.undo()
+    assert line.startswith("error: could not write ") and line.endswith("Read-only file system"), line
+    assert snapshot(probe_copy) == before
