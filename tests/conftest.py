@@ -98,3 +98,20 @@ def micro_base(tmp_path_factory, mirror):
     out = tmp_path_factory.mktemp("base")
     run(f"--init_from scratch {MICRO} --max_iters 30 --lr 1e-2 --warmup_iters 3 --out_dir {out}")
     return str(out)
+
+
+@pytest.fixture
+def wikitext103_archive(tmp_path, mirror, monkeypatch) -> str:
+    """The paper's probe text served from a local archive in place of the download (WikiText-2's validation lines
+    standing in for WikiText-103 train), with a data cache of the test's own; returns that raw text."""
+    import io
+    import zipfile
+
+    import data.sources
+    raw = open(os.path.join(mirror, "wikitext", "wiki.valid.raw"), encoding="utf-8").read()
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("wikitext-103-raw/wiki.train.raw", raw)
+    monkeypatch.setattr(data.sources, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(data.sources, "download", lambda url: archive.getvalue())
+    return raw

@@ -2,13 +2,11 @@
 autograd saves on the CPU), the dry run end to end on a tiny Pythia-shaped folder, the order of DDP and
 torch.compile; and tests marked for CUDA, which tools/gpu_check.sh runs on a machine that has one."""
 
-import io
 import os
 import re
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -65,14 +63,7 @@ def test_the_papers_410m_step_fits_a_16_gb_card():
 
 # --- the dry run, end to end on the CPU ---
 
-def test_the_dry_run_checks_a_paper_run_and_writes_nothing(tmp_path, mirror, monkeypatch, capsys):
-    import data.sources
-    raw = open(f"{mirror}/wikitext/wiki.valid.raw", encoding="utf-8").read()
-    archive = io.BytesIO()
-    with zipfile.ZipFile(archive, "w") as z:
-        z.writestr("wikitext-103-raw/wiki.train.raw", raw)
-    monkeypatch.setattr(data.sources, "CACHE", tmp_path / "cache")
-    monkeypatch.setattr(data.sources, "download", lambda url: archive.getvalue())
+def test_the_dry_run_checks_a_paper_run_and_writes_nothing(tmp_path, mirror, wikitext103_archive, capsys):
     base = tmp_path / "pythia-tiny"
     make_hf_model(vocab=50304, d=64, max_pos=64).save_pretrained(base)
     shutil.copy(f"{mirror}/tokenizers/20B_tokenizer.json", base / "tokenizer.json")

@@ -619,22 +619,14 @@ def test_a_benchmark_file_cut_at_a_line_boundary_is_refused(mirror, tmp_path):
         benchmarks.hellaswag(str(tmp_path / "mirror"))
 
 
-def test_wikitext103_from_the_mirror_or_a_damaged_download(mirror, tmp_path, monkeypatch):
+def test_wikitext103_from_the_mirror_or_a_damaged_download(mirror, tmp_path, monkeypatch, wikitext103_archive):
     """The paper's probe text has a mirror slot (an offline machine reads it there, the same lines as the
     download's), and a cached archive that is not a zip (a captive portal's page) is set aside in one line."""
-    import io
-    import zipfile
-
     import data.sources
     from data import prepare
     from load_pythia import load_tokenizer
     tok = load_tokenizer(f"{mirror}/tokenizers/20B_tokenizer.json")
-    raw = open(f"{mirror}/wikitext/wiki.valid.raw", encoding="utf-8").read()
-    archive = io.BytesIO()
-    with zipfile.ZipFile(archive, "w") as z:
-        z.writestr("wikitext-103-raw/wiki.train.raw", raw)
-    monkeypatch.setattr(data.sources, "CACHE", tmp_path / "cache")
-    monkeypatch.setattr(data.sources, "download", lambda url: archive.getvalue())
+    raw = wikitext103_archive
     downloaded = prepare.wikitext103_probe_lines(tok, n_lines=50)
     local = tmp_path / "mirror" / prepare.WIKITEXT103_TRAIN
     local.parent.mkdir(parents=True)

@@ -245,21 +245,11 @@ def test_run_ends_with_benchmarks_for_base_and_trained(micro_base, tmp_path):
     assert saved["trained"]["lambada"]["metrics"]["ppl"]["value"] != pytest.approx(expected, rel=1e-6)
 
 
-def test_the_papers_whole_recipe_runs_on_a_tiny_pythia(tmp_path, mirror, monkeypatch):
+def test_the_papers_whole_recipe_runs_on_a_tiny_pythia(tmp_path, mirror, monkeypatch, wikitext103_archive):
     """docs/reproduce.md's commands for Table 2, in miniature: every method in the paper's precision and ours,
     on the paper's probe text (WikiText-103 train, here served from a local archive in place of the download),
     then both evaluation protocols. Only the sizes differ from the real run."""
-    import io
-    import zipfile
-
-    import data.sources
     import eval_lambada
-    raw = open(os.path.join(mirror, "wikitext", "wiki.valid.raw"), encoding="utf-8").read()
-    archive = io.BytesIO()
-    with zipfile.ZipFile(archive, "w") as z:
-        z.writestr("wikitext-103-raw/wiki.train.raw", raw)
-    monkeypatch.setattr(data.sources, "CACHE", tmp_path / "cache")
-    monkeypatch.setattr(data.sources, "download", lambda url: archive.getvalue())
     hf_dir = tmp_path / "pythia-tiny"
     make_hf_model(vocab=50304, d=64, max_pos=64).save_pretrained(hf_dir)
     small = "--max_iters 2 --batch_size 2 --seq_len 64 --eval_tasks none --eval_tokens 256 --device cpu"
