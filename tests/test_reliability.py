@@ -533,10 +533,10 @@ def test_an_evaluation_summary_refuses_records_it_was_not_written_with(micro_bas
         script("eval_lambada.py", "--init_from", micro_base, "--tasks", "lambada", "--limit", "4", "--dtype",
                "float32", "--out", out, check=True)
     assert json.loads(a.read_text())["items"]["lines"] == 4
-    compare.main([str(a), str(b)])  # a true pair: fine
+    compare.main([str(a), str(b), "--out", str(tmp_path / "c.json")])  # a true pair: fine
     records = items_path(a).read_text().splitlines()
     items_path(a).write_text("\n".join(records[:3]) + "\n")  # other records beside the summary
-    line = main_error(monkeypatch, capsys, compare, [a, b], strict=False)
+    line = main_error(monkeypatch, capsys, compare, [a, b, "--out", tmp_path / "c.json"], strict=False)
     assert "a.items.jsonl is not the set of records that a.json was written with" in line
 
 
