@@ -689,7 +689,8 @@ UNWRITABLE = "/sys/preproj-test"  # sysfs: not even root may create files there 
 
 
 @pytest.mark.parametrize("argv", [
-    ["train.py", "--skip", "--max_iters", "2", "--eval_tasks", "none", "--out_dir", UNWRITABLE],
+    ["train.py", "--init_from", "{micro_base}", "--skip", "--max_iters", "2", "--eval_tasks", "none", "--out_dir",
+     UNWRITABLE],
     ["-m", "tools.export", "--init_from", "{micro_base}", "--out", UNWRITABLE],
     ["-m", "study.grid", "--bases", "micro={micro_base}", "--only", "baseline", "--tasks", "lambada", "--out",
      UNWRITABLE],
