@@ -67,6 +67,15 @@ def tiny_hf_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def pythia_vocab_dir(tmp_path_factory):
+    """A tiny random checkpoint with Pythia's vocabulary and no tokenizer.json: it loads with Pythia's tokenizer
+    from the mirror, which fits it (a folder whose vocabulary is smaller than the tokenizer's is refused)."""
+    folder = tmp_path_factory.mktemp("tiny_pythia_vocab")
+    make_hf_model(vocab=50304, d=64, max_pos=64).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
 def mirror():
     """The offline data mirror (PREPROJ_MIRROR); tests that read real data need it and skip without it.
     CI never skips them: .ci/run stops when the mirror is missing."""

@@ -295,31 +295,31 @@ def linked_mirror(tmp_path, mirror, skip: str):
     return folder
 
 
-def run_cli(tiny_hf_dir, folder, tmp_path, *args):
+def run_cli(model_dir, folder, tmp_path, *args):
     out = tmp_path / "out" / "eval.json"
     with pytest.raises(SystemExit) as e:
-        eval_lambada.main(["--init_from", tiny_hf_dir, "--mirror", str(folder), "--device", "cpu", "--out", str(out),
+        eval_lambada.main(["--init_from", model_dir, "--mirror", str(folder), "--device", "cpu", "--out", str(out),
                            *args])
     assert not out.parent.exists()  # nothing written
     return str(e.value)
 
 
-def test_missing_wiki_valid(tiny_hf_dir, tmp_path, mirror):
+def test_missing_wiki_valid(pythia_vocab_dir, tmp_path, mirror):
     folder = linked_mirror(tmp_path, mirror, benchmarks.WIKITEXT_VALID)
-    message = run_cli(tiny_hf_dir, folder, tmp_path, "--tasks", "wikitext", "--protocol", "paper")
+    message = run_cli(pythia_vocab_dir, folder, tmp_path, "--tasks", "wikitext", "--protocol", "paper")
     assert message.startswith("error: wikitext/wiki.valid.raw is missing from the mirror folder")
     assert "get it from https://wikitext.smerity.com/wikitext-2-raw-v1.zip" in message and "\n" not in message
 
 
-def test_corrupt_arc_line(tiny_hf_dir, tmp_path, mirror, monkeypatch):
+def test_corrupt_arc_line(pythia_vocab_dir, tmp_path, mirror, monkeypatch):
     rel = benchmarks.ARC_EASY["test"]
     folder = linked_mirror(tmp_path, mirror, rel)
     good = open(f"{mirror}/{rel}", encoding="utf-8").readlines()[:2]
     (folder / rel).write_text(good[0] + '{"id": "broken", "question": {"stem"\n' + good[1], encoding="utf-8")
-    message = run_cli(tiny_hf_dir, folder, tmp_path, "--tasks", "arc_easy")  # the sha256 pin catches it first
+    message = run_cli(pythia_vocab_dir, folder, tmp_path, "--tasks", "arc_easy")  # the sha256 pin catches it first
     assert message.startswith("error: ") and "has the wrong sha256" in message and "\n" not in message
     monkeypatch.setitem(sources.SOURCES, rel, sources.Source(sources.SOURCES[rel].url))  # no pin: the reader
-    message = run_cli(tiny_hf_dir, folder, tmp_path, "--tasks", "arc_easy")
+    message = run_cli(pythia_vocab_dir, folder, tmp_path, "--tasks", "arc_easy")
     assert message.startswith("error: ") and "ARC-Easy-Test.jsonl:2: malformed JSON line" in message
     (folder / rel).write_text(good[0] + good[1].replace('"answerKey":"', '"answerKey":"Z'), encoding="utf-8")
     with pytest.raises(DataError, match=r"ARC-Easy-Test.jsonl:2: answerKey 'Z.' is not one of the labels"):
