@@ -354,3 +354,46 @@ def test_grid_runs_resumes_without_retraining_and_builds_the_tables(tiny_pythia,
     (out / "grid.json").write_text(json.dumps({**grid_json, "commit": "0" * 40}))  # a grid of another commit
     with pytest.raises(SystemExit, match="holds a grid run at commit 000000000000, this checkout is at"):
         grid.main(argv)
+
+
+# --- the pre-registered contrasts, from run folders (study/contrasts.py) ---
+
+def fake_experiment(out: Path, shifts: dict[str, list[float]], windows: int = 40) -> None:
+    """Run folders of the 500-step experiment with per-window losses: each method's seed s is the baseline's
+    windows plus shifts[method][s]."""
+    rng = np.random.default_rng(0)
+    base = rng.normal(5.5, 0.2, windows)
+    for method, per_seed in shifts.items():
+        folder = design.method_folder(out, "b", "ood", method)
+        folder.mkdir(parents=True)
+        (folder / "lr_search.json").write_text(json.dumps({"chosen": 0.002}))
+        for i, shift in enumerate(per_seed):
+            run = design.Job("b", "ood", method, 0.002, 42 + i).folder(out)
+            run.mkdir()
+            (run / "windows.json").write_text(json.dumps({"sotu_test": list(base + shift)}))
+        stray = design.Job("b", "ood", method, 0.004, 42).folder(out)  # a search run at another rate: not counted
+        stray.mkdir()
+        (stray / "windows.json").write_text(json.dumps({"sotu_test": list(base - 1.0)}))
+
+
+def test_the_contrasts_pair_seeds_and_adjust_over_the_family(tmp_path):
+    from lab.stats import holm, paired_t
+    from study import contrasts
+    shifts = {"preproj_skip": [0.00, 0.01, -0.01, 0.00, 0.005],
+              "skip_sidemlp": [0.02, 0.03, 0.01, 0.025, 0.02],  # clearly worse than pre-proj + skip
+              "linear_preproj_skip": [0.01, -0.01, 0.0, 0.01, -0.005],  # no difference to speak of
+              "lora_matched": [0.02, 0.01],  # two seeds only: the contrast uses the common ones
+              "skip": [0.0]}  # one seed: no contrast
+    fake_experiment(tmp_path, shifts)
+    rows = {r["control"]: r for r in contrasts.contrasts(tmp_path, ["b"], resamples=500)}
+    assert set(rows) == {"skip_sidemlp", "linear_preproj_skip", "lora_matched"}
+    diffs = np.subtract(shifts["preproj_skip"], shifts["skip_sidemlp"])  # the shifts are the seed-mean differences
+    expect = paired_t(diffs)
+    mech = rows["skip_sidemlp"]
+    assert mech["mean"] == pytest.approx(diffs.mean()) and mech["p"] == pytest.approx(expect["p"])
+    assert mech["seeds"] == [42, 43, 44, 45, 46] and rows["lora_matched"]["seeds"] == [42, 43]
+    assert mech["boot_low"] < mech["mean"] < mech["boot_high"] < 0
+    adjusted = holm({c: r["p"] for c, r in rows.items()})
+    assert all(r["p_holm"] == pytest.approx(adjusted[c]) for c, r in rows.items())
+    assert mech["verdict"] == "supported" and rows["linear_preproj_skip"]["verdict"] == "not shown"
+    assert "| b | skip + side-MLP | 5 |" in contrasts.table(list(rows.values()))
