@@ -208,10 +208,23 @@ def load_pythia(name_or_dir: str, *, revision: str | None = None, dtype: torch.d
         config = config_from_hf(hf_config, **switches)
     except ValueError as e:
         raise ValueError(f"{cfg_path}: {e}") from e
-    model = GPT(config)
+    with torch.device("meta"):  # nothing drawn for the base, whose weights the checkpoint gives
+        model = GPT(config)
     state = map_state_dict(read_hf_weights(folder), model.base_state_dict())
-    model.load_state_dict(state, strict=False)  # strict on the base by map_state_dict; new params keep their init
+    model.load_state_dict(state, strict=False, assign=True)  # strict on the base by map_state_dict
+    materialise_new_params(model)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def materialise_new_params(model: GPT) -> None:
+    """The switches' parameters, still on the meta device after the base was assigned, made real and drawn with
+    the paper's initialisation (GPT.init_new_params)."""
+    for name, p in list(model.named_parameters()):
+        if p.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                                        requires_grad=p.requires_grad))
+    model.init_new_params()
 
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:

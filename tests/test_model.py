@@ -248,6 +248,22 @@ def test_pythia_tokenizer_known_ids(mirror):
 
 # --- bad inputs ---
 
+def test_loading_draws_only_the_new_weights(tiny_hf_dir, monkeypatch):
+    """A Hugging Face checkpoint's base weights are assigned, not first drawn at random and then overwritten (time
+    wasted at 410M): only the switches' new parameters are drawn, and a seed gives the same ones every time."""
+    drawn = []
+    real = torch.Tensor.normal_
+    monkeypatch.setattr(torch.Tensor, "normal_", lambda t, *a, **k: drawn.append(0 if t.is_meta else t.numel()) or
+                        real(t, *a, **k))
+    torch.manual_seed(3)
+    model = load_pythia(tiny_hf_dir, preproj=True, skip=True)
+    assert sum(drawn) == model.num_params("new") > 0
+    torch.manual_seed(3)
+    again = load_pythia(tiny_hf_dir, preproj=True, skip=True)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    assert not any(p.is_meta for p in model.parameters())
+
+
 def test_non_gpt_neox_config_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     with pytest.raises(ValueError, match="model_type='llama'"):
