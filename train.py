@@ -113,11 +113,18 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     if p.parse_known_args(argv)[0].paper:  # the recipe becomes the defaults, so any form of a flag overrides it
         p.set_defaults(**PAPER_PROBE)
     args = p.parse_args(argv)
+    explicit = cli.explicit_flags(p, argv)
+    check_args(p, args, explicit)
+    return saved_settings(args, explicit) if args.resume else args
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, explicit: set[str]) -> None:
+    """What no single flag's type can check, at parse time: the shape, the device a run would land on, the
+    validation splits; and the benchmarks' default, which depends on --data."""
     if args.n_embd % args.n_head and not args.resume:  # a resumed run keeps its saved shape (saved_settings)
         p.error(f"--n_embd {args.n_embd} is not divisible by --n_head {args.n_head}")
     if args.eval_tasks is None:
         args.eval_tasks = "none" if text.is_path(args.data) else "lambada,wikitext,hellaswag"
-    explicit = cli.explicit_flags(p, argv)
     if args.device == "cpu" and "device" not in explicit and (args.paper or cli.is_hub_name(args.init_from)):
         p.error(f"no CUDA GPU is visible to this torch ({torch.__version__}, CUDA build "
                 f"{torch.version.cuda or 'none'}), and a {'--paper run' if args.paper else 'Hub model'} would train "
@@ -125,7 +132,6 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [n for n in (args.val_splits or "").split(",") if n and n not in prepare.HELDOUT]
     if unknown:
         p.error(f"--val_splits: {unknown[0]!r} is no held-out split; choose from {', '.join(prepare.HELDOUT)}")
-    return saved_settings(args, explicit) if args.resume else args
 
 
 def run_dir(args: argparse.Namespace) -> Path:
