@@ -54,6 +54,8 @@ HELDOUT = ("val", "val_books", *PARTS, "wikitext")  # the splits a run may valid
 PROBE_SPLITS = {"corpus": ("probe", ("val", "val_books")), "books": ("books_train", ("val", "books_test")),
                 "wikitext103": ("", ("wikitext",))}  # WikiText-103 validation lines: no corpus is read
 WIKITEXT103 = "https://wikitext.smerity.com/wikitext-103-raw-v1.zip"
+# The archive's published sha256 (191,984,949 bytes), the digest public dataset loaders pin for this file
+WIKITEXT103_SHA256 = "91c00ae287f0d699e18605c84afc9e45c192bc6b7797ff8837e5474655a33794"
 WIKITEXT103_TRAIN = "wikitext103/wiki.train.raw"  # its mirror slot: the archive's wikitext-103-raw/wiki.train.raw
 
 
@@ -191,7 +193,7 @@ def wikitext103_probe_lines(tok: Tokenizer, n_lines: int = 2000, min_chars: int 
             lines = probe_lines(f, n_lines, min_chars)
     else:
         try:
-            path = archive(WIKITEXT103)
+            path = archive(WIKITEXT103, WIKITEXT103_SHA256)
         except DataError as e:
             raise DataError(f"the paper's probe text, WikiText-103 train, is not in the mirror ({WIKITEXT103_TRAIN}) "
                             f"and could not be downloaded ({e}); put wiki.train.raw from {WIKITEXT103} there") from e

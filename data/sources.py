@@ -135,18 +135,24 @@ def read_text(path: Path) -> str:
         raise DataError(f"{path} is not UTF-8 text (byte {e.start}); replace the file") from e
 
 
-def archive(url: str) -> Path:
+def archive(url: str, digest: str = "") -> Path:
     """A downloaded archive, kept in data/cache/downloads/archives so that each of its members costs no new
-    download."""
+    download; checked against its sha256 `digest` where one is pinned. A file that fails a check is set aside as
+    `<name>.bad` (never read again, never deleted), so that the next run downloads it anew."""
     path = CACHE / "downloads" / "archives" / url.rsplit("/", 1)[-1]
-    if path.is_file() and not zipfile.is_zipfile(path):  # e.g. a captive portal's page saved under the name
-        aside = path.with_name(path.name + ".bad")
-        os.replace(path, aside)
-        raise DataError(f"{path} was not a zip archive (a login or error page saved in its place?); it is set aside "
-                        f"as {aside.name}: run again to download it anew")
     if not path.is_file():
         write_atomic(path, download(url))
+    if not zipfile.is_zipfile(path):  # e.g. a captive portal's page saved under the name
+        set_aside(path, "was not a zip archive (a login or error page saved in its place?)")
+    if digest and sha256(path) != digest:
+        set_aside(path, f"has the wrong sha256 (expected {digest[:12]}..., published for {url.rsplit('/', 1)[-1]})")
     return path
+
+
+def set_aside(path: Path, problem: str) -> None:
+    aside = path.with_name(path.name + ".bad")
+    os.replace(path, aside)
+    raise DataError(f"{path} {problem}; it is set aside as {aside.name}: run again to download it anew")
 
 
 def read_member(path: Path, member: str) -> bytes:

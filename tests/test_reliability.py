@@ -642,6 +642,23 @@ def test_wikitext103_from_the_mirror_or_a_damaged_download(mirror, tmp_path, mon
     assert not cached.exists() and cached.with_name(cached.name + ".bad").is_file()
 
 
+def test_a_wikitext103_download_with_the_wrong_digest_is_set_aside(mirror, tmp_path, monkeypatch,
+                                                                   wikitext103_archive):
+    """The archive is pinned by its published sha256: another file under its name (a re-packed or truncated
+    copy) is set aside in one line, not read."""
+    from data import prepare
+    from load_pythia import load_tokenizer
+    tok = load_tokenizer(f"{mirror}/tokenizers/20B_tokenizer.json")
+    monkeypatch.setattr(prepare, "WIKITEXT103_SHA256",
+                        "91c00ae287f0d699e18605c84afc9e45c192bc6b7797ff8837e5474655a33794")
+    cached = tmp_path / "cache" / "downloads" / "archives" / "wikitext-103-raw-v1.zip"
+    with pytest.raises(DataError, match=r"wikitext-103-raw-v1.zip has the wrong sha256 \(expected 91c00ae287f0\.\.\., "
+                                        r"published for wikitext-103-raw-v1.zip\); it is set aside as "
+                                        r"wikitext-103-raw-v1.zip.bad: run again"):
+        prepare.wikitext103_probe_lines(tok, n_lines=5)
+    assert not cached.exists() and cached.with_name(cached.name + ".bad").is_file()
+
+
 def test_a_prepared_split_deleted_from_the_cache_is_one_line(monkeypatch, tmp_path):
     from data import prepare
     folder = tmp_path / "nano"
