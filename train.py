@@ -518,7 +518,8 @@ def dry_run(args: argparse.Namespace) -> dict:
                                                       s.val_splits)
     check_lengths(s, model, vals)
     report.update(base=base_ref and checkpoint.pinned_name(base_ref), base_sha256=base_ref and base_ref["sha256"],
-                  data=data_source or s.data, files=run_report.data_files(s.eval_tasks, s.mirror),
+                  data=data_source or s.data, files={**probe_text_files(s, tokenizer),
+                                                     **run_report.data_files(s.eval_tasks, s.mirror)},
                   memory_estimate_gb={k: round(v / 1e9, 3) for k, v in step_memory(
                       model.config, s.batch_size // world // s.grad_accum, s.seq_len, probe, s.pure_bf16,
                       DTYPES[s.dtype]).items()})
@@ -535,6 +536,14 @@ def dry_run(args: argparse.Namespace) -> dict:
         print(f"{key:16s} {value}")
     print(f"dry run of {run.out_dir}: nothing was written")
     return report
+
+
+def probe_text_files(s: Settings, tokenizer: Tokenizer) -> dict[str, str]:
+    """{file: sha256} of the paper's probe text where the run trains on it (own text's files are in its record)."""
+    if s.init_from == "scratch" or text.is_path(s.data) or prepare.probe_data(s.data, s.init_from,
+                                                                              tokenizer) != "wikitext103":
+        return {}
+    return prepare.wikitext103_files(s.mirror)
 
 
 def device_facts(device: str) -> dict:

@@ -203,6 +203,15 @@ def wikitext103_probe_lines(tok: Tokenizer, n_lines: int = 2000, min_chars: int 
     return [np.array(enc.ids[:max_tokens], dtype=np.int64) for enc in tok.encode_batch(lines)]
 
 
+def wikitext103_files(mirror: str | None = None) -> dict[str, str]:
+    """{file: sha256} of the paper's probe text as wikitext103_probe_lines reads it: the mirror's copy, else the
+    archive (which that function has checked against its pin)."""
+    local = mirror_dir(mirror) and mirror_dir(mirror) / WIKITEXT103_TRAIN
+    if local and local.is_file():
+        return {WIKITEXT103_TRAIN: sha256(local)}
+    return {WIKITEXT103.rsplit("/", 1)[-1]: WIKITEXT103_SHA256}
+
+
 # Held-out text in each training domain, for measurements on a trained model (analyze_layers.py)
 HELDOUT_TEXT = {
     "val": "held-out State of the Union speeches 1993-2006 (`val`, the embedded probe's domain)",

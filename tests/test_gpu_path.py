@@ -2,6 +2,7 @@
 autograd saves on the CPU), the dry run end to end on a tiny Pythia-shaped folder, the order of DDP and
 torch.compile; and tests marked for CUDA, which tools/gpu_check.sh runs on a machine that has one."""
 
+import hashlib
 import os
 import re
 import shutil
@@ -75,7 +76,10 @@ def test_the_dry_run_checks_a_paper_run_and_writes_nothing(tmp_path, mirror, wik
     printed = capsys.readouterr().out
     assert not out.exists() and f"dry run of {out}: nothing was written" in printed
     assert report["device"] == "cpu" and report["torch"] == torch.__version__ and report["data"] == "wikitext103"
-    assert list(report["files"]) == ["lambada/lambada_test.jsonl"]  # the one task it scores, with its sha256
+    # the probe text it trains on and the one task it scores, each with its sha256 (the archive's: its pin, checked)
+    assert list(report["files"]) == ["wikitext-103-raw-v1.zip", "lambada/lambada_test.jsonl"]
+    assert report["files"]["wikitext-103-raw-v1.zip"] == hashlib.sha256(
+        (tmp_path / "cache/downloads/archives/wikitext-103-raw-v1.zip").read_bytes()).hexdigest()
     assert report["files"]["lambada/lambada_test.jsonl"].startswith("4aa8d02c")
     assert report["memory_estimate_gb"]["total"] > 0 and report["step_seconds"] > 0 and report["peak_memory_gb"] > 0
     assert report["projected_minutes"] > 0 and report["attention_kernel"].startswith("cpu: ")

@@ -5,6 +5,7 @@ Each case asserts the exit status, the one error line (naming the problem), no t
 is unchanged or still resumable. The integrity cases are numbered as in issue 12."""
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -634,6 +635,8 @@ def test_wikitext103_from_the_mirror_or_a_damaged_download(mirror, tmp_path, mon
     monkeypatch.setattr(data.sources, "download", lambda url: pytest.fail("the mirror's copy is read, not fetched"))
     from_mirror = prepare.wikitext103_probe_lines(tok, n_lines=50, mirror=str(tmp_path / "mirror"))
     assert len(from_mirror) == 50 and all(np.array_equal(a, b) for a, b in zip(downloaded, from_mirror))
+    assert prepare.wikitext103_files(str(tmp_path / "mirror")) == {  # what a dry run prints for it
+        prepare.WIKITEXT103_TRAIN: hashlib.sha256(raw.encode("utf-8")).hexdigest()}
     cached = tmp_path / "cache" / "downloads" / "archives" / "wikitext-103-raw-v1.zip"
     cached.write_text("<html>Please log in to the network</html>")
     with pytest.raises(DataError, match=r"was not a zip archive .* set aside as wikitext-103-raw-v1.zip.bad: run "
