@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from lab.checkpoint import ROOT
+import torch
+
+from lab.checkpoint import ROOT, load_model
 from lab.cli import out_folder, positive_int
 from lab.precision import DTYPES
-from model import GPTConfig
+from model import GPT, SWITCHES, GPTConfig
 
 OUT = ROOT / "out" / "experiment-500"  # the 500-step experiment; the 30-step screen's records are study/runs.tar.gz
 STUDY_DIR = ROOT / "out" / "study-base"  # pre-trained by lab.recipes.STUDY_BASE
@@ -178,6 +180,16 @@ def code_version() -> dict:
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "dirty": None}
+
+
+def initial_model(ckpt: dict, mirror: str | None = None) -> GPT:
+    """A probe run's model at step 0: its new parameters drawn again exactly as train.py drew them (its seed, then
+    the same model construction)."""
+    train_args = ckpt["train_args"]
+    torch.manual_seed(train_args["seed"])
+    switches = {k: train_args.get(k, getattr(GPTConfig, k)) for k in SWITCHES}  # older runs lack newer switches
+    init, _, _ = load_model(train_args["init_from"], **switches, mirror=mirror)
+    return init
 
 
 def read_json(path: Path) -> dict:

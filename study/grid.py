@@ -44,7 +44,6 @@ from lab.evaluation import TASKS, window_losses
 from lab.precision import for_inference, resolve_dtype
 from lab.recipes import STUDY_BASE, flags
 from lab.run_folder import EXIT_DIVERGED
-from model import SWITCHES, GPTConfig
 from study.design import (
     BASES,
     CURVE_INTERVAL,
@@ -70,6 +69,7 @@ from study.design import (
     code_version,
     command,
     eval_files,
+    initial_model,
     method_folder,
     read_json,
     shared_flags,
@@ -215,12 +215,8 @@ def moved_shares(folder: Path, args) -> dict[str, float]:
     their initial value at all. The initial values are drawn again exactly as train.py drew them (its seed, then
     the same model construction), and compared in the dtype the run held them in."""
     ckpt = read_checkpoint(folder)
-    train_args = ckpt["train_args"]
-    torch.manual_seed(train_args["seed"])
-    switches = {k: train_args.get(k, getattr(GPTConfig, k)) for k in SWITCHES}  # older runs lack newer switches
-    init, _, _ = load_model(train_args["init_from"], **switches, mirror=args.mirror)
     moved: dict[str, list[int]] = {}
-    for name, start in init.new_state_dict().items():
+    for name, start in initial_model(ckpt, args.mirror).new_state_dict().items():
         now = ckpt["model"][name]
         counts = moved.setdefault(name.split(".")[-2], [0, 0])
         counts[0] += int((now != start.to(now.dtype)).sum())
