@@ -139,3 +139,31 @@ def test_the_experiments_runs_are_the_seeds_at_each_chosen_rate(tmp_path):
     searching = finished("lora_matched", 0.001, 42)  # its search has not chosen yet
     runs = layers.experiment_runs(tmp_path, ["b"])
     assert runs == [*chosen, paper] and searching not in runs
+
+
+def test_the_records_tarball_is_portable_deterministic_and_leaves_out_checkpoints(tmp_path):
+    from study import records
+    root = tmp_path / "project"
+    out = root / "out" / "experiment-500"
+    run_dir = design.Job("b", "ood", "skip", 0.002, 42).folder(out)
+    run_dir.mkdir(parents=True)
+    (out / "grid.json").write_text(json.dumps({"commit": "abc", "bases": {"b": str(root / "out" / "b-base")}}))
+    (run_dir / "job.json").write_text(json.dumps({"train": ["/opt/venv/bin/python", "train.py", "--out_dir",
+                                                            str(run_dir)]}))
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "lo')  # a line being written
+    for kept_out in ("ckpt.pt", "tokenizer.json", "log.txt", "eval-lambada.items.jsonl"):
+        (run_dir / kept_out).write_text("x")
+    (run_dir / "eval-lambada.json").write_text(json.dumps({"results": {}}))
+    first, second = tmp_path / "a.tar.gz", tmp_path / "b.tar.gz"
+    assert records.pack(out, first) == 4
+    records.pack(out, second)
+    assert first.read_bytes() == second.read_bytes()
+    grid = records.unpack(first, tmp_path / "unpacked")
+    assert sorted(p.relative_to(grid).as_posix() for p in grid.rglob("*") if p.is_file()) == [
+        "b/ood/skip/lr0.002-s42/eval-lambada.json", "b/ood/skip/lr0.002-s42/job.json",
+        "b/ood/skip/lr0.002-s42/metrics.jsonl", "grid.json"]
+    assert json.loads((grid / "grid.json").read_text())["bases"] == {"b": "out/b-base"}
+    assert json.loads((grid / "b/ood/skip/lr0.002-s42/job.json").read_text())["train"] == [
+        "python", "train.py", "--out_dir", "out/experiment-500/b/ood/skip/lr0.002-s42"]
+    assert (grid / "b/ood/skip/lr0.002-s42/metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+    assert all(str(tmp_path) not in p.read_text() for p in grid.rglob("*.json*"))
