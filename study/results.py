@@ -1,0 +1,191 @@
+"""
+The 500-step experiment's part of RESULTS.md (docs/experiment.md): its tables and figures, computed from the run
+records alone (no checkpoints), so that `python -m study.report` rebuilds it from study/experiment-500.tar.gz.
+
+Everything here follows the pre-registration: the four contrasts per base with Holm over all of them
+(study/contrasts.py) carry the claims; every other comparison is secondary, a t-interval over seeds (the seed is the
+unit), unadjusted and labelled so. A benchmark at its floor (every run scoring 0) is reported as such.
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from lab.cli import format_table
+from lab.stats import paired_t
+from study import contrasts, layers
+from study.design import (
+    EXPERIMENT_METHODS,
+    METHODS,
+    TEST_SPLITS,
+    baseline_folder,
+    method_folder,
+    read_json,
+    run_folders,
+)
+
+SETTING = "ood"
+BENCH = {"lambada/acc": "LAMBADA acc", "lambada/ppl": "LAMBADA ppl", "wikitext/bits_per_byte": "WikiText bpb"}
+CURVE = "sotu_search_loss"  # the learning curves: the search split's loss every CURVE_INTERVAL steps
+
+
+@dataclass
+class Run:
+    """One finished run's numbers (the baseline: the base itself)."""
+    seed: int | None
+    values: dict[str, float]  # held-out losses (TEST_SPLITS) and benchmark metrics (BENCH)
+    seconds: float = 0.0  # training wall time
+    cpu_seconds: float = 0.0
+    curve: dict[int, float] = field(default_factory=dict)  # step -> search-split loss
+    moved: dict[str, float] = field(default_factory=dict)
+    layers: dict = field(default_factory=dict)  # layers.json
+
+
+def read_run(folder: Path, seed: int | None) -> Run | None:
+    """A run with its held-out losses; None before they are measured."""
+    measures = read_json(folder / "measures.json")
+    if any(s not in measures for s in TEST_SPLITS):
+        return None
+    values = {s: measures[s] for s in TEST_SPLITS}
+    for summary in sorted(folder.glob("eval-*.json")):
+        for task, r in read_json(summary)["results"].items():
+            values.update({f"{task}/{k}": m["value"] for k, m in r["metrics"].items() if f"{task}/{k}" in BENCH})
+    timing = read_json(folder / "timing.json")
+    lines = (folder / "metrics.jsonl").read_text().splitlines() if (folder / "metrics.jsonl").is_file() else []
+    rows = [json.loads(line) for line in lines if line.endswith("}")]
+    return Run(seed, values, timing.get("train_seconds", 0.0), timing.get("train_cpu_seconds", 0.0),
+               {r["step"]: r[CURVE] for r in rows if CURVE in r}, measures.get("moved", {}),
+               read_json(folder / layers.RECORD))
+
+
+def chosen_lr(out: Path, base: str, method: str) -> float | None:
+    return METHODS[method].lr or read_json(method_folder(out, base, SETTING, method) / "lr_search.json").get("chosen")
+
+
+def method_runs(out: Path, base: str, method: str) -> list[Run]:
+    """A method's finished seeds at its chosen (or fixed) learning rate, by seed."""
+    if method == "baseline":
+        run = read_run(baseline_folder(out, base), None)
+        return [run] if run else []
+    lr = chosen_lr(out, base, method)
+    return [r for lr_text, seed, f in run_folders(method_folder(out, base, SETTING, method))
+            if lr is not None and float(lr_text) == lr and (r := read_run(f, seed))]
+
+
+def collect(out: Path, bases: list[str]) -> dict[str, dict[str, list[Run]]]:
+    """{base: {method: runs}} of everything finished, in EXPERIMENT_METHODS order."""
+    found = {b: {m: runs for m in EXPERIMENT_METHODS if (runs := method_runs(out, b, m))} for b in bases}
+    return {b: methods for b, methods in found.items() if methods}
+
+
+def interval_text(t: dict, digits: int = 4) -> str:
+    return f"{t['mean']:+.{digits}f} [{t['low']:+.{digits}f}, {t['high']:+.{digits}f}]"
+
+
+def at_floor(methods: dict[str, list[Run]], key: str) -> bool:
+    """Every run of every method (the baseline too) scores exactly 0 on this metric."""
+    values = [r.values[key] for runs in methods.values() for r in runs if key in r.values]
+    return bool(values) and all(v == 0 for v in values)
+
+
+def against_baseline(methods: dict[str, list[Run]]) -> str:
+    """Each method minus the frozen base, per held-out split and benchmark: mean over seeds and the 95% t-interval
+    (seeds as the unit; the baseline is one deterministic model). Secondary: unadjusted, no claims."""
+    if "baseline" not in methods:
+        return "(the baseline has not been measured yet)"
+    base = methods["baseline"][0].values
+    keys = [k for k in (*TEST_SPLITS, *BENCH) if k in base and not at_floor(methods, k)]
+    rows = []
+    for m, runs in methods.items():
+        if m == "baseline" or len(runs) < 2:
+            continue
+        cells = [interval_text(paired_t([r.values[k] - base[k] for r in runs]), 3 if "ppl" in k else 4)
+                 if all(k in r.values for r in runs) else None for k in keys]
+        rows.append([METHODS[m].label, len(runs), *cells])
+    header = ["method", "seeds", *(f"Δ {TEST_SPLITS.get(k, BENCH.get(k))}" for k in keys)]
+    floor = [BENCH[k] for k in BENCH if at_floor(methods, k)]
+    note = f" {', '.join(floor)}: 0 for every run, at the floor, no claim." if floor else ""
+    baseline = ", ".join(f"{TEST_SPLITS.get(k, BENCH.get(k))} {base[k]:.4g}" for k in keys)
+    return (f"The frozen base: {baseline}.{note}\n\n" + format_table(header, rows, markdown=True)
+            if rows else "(no method has two seeds yet)")
+
+
+def search_table(out: Path, base: str) -> str:
+    rows = []
+    for m in EXPERIMENT_METHODS:
+        record = read_json(method_folder(out, base, SETTING, m) / "lr_search.json")
+        if record:
+            losses = ", ".join(f"{float(lr):g}: {loss:.4f}" for lr, loss in record["losses"].items())
+            rows.append([METHODS[m].label, losses, f"{record['chosen']:g}", "yes" if record["at_edge"] else "no"])
+    return format_table(["method", "sotu_search loss at step 500, per lr (seed 42)", "chosen",
+                         "still on an edge"], rows, markdown=True) if rows else ""
+
+
+def paper_rows(methods: dict[str, list[Run]]) -> str:
+    """The paper's recipe rows: does lr 1e-5 learn in 500 steps, and how many entries never move."""
+    if "baseline" not in methods:
+        return ""
+    base = methods["baseline"][0].values["sotu_test"]
+    rows = []
+    for m in ("preproj_skip", "preproj_skip_lr1e-5", "preproj_skip_bf16_lr1e-5"):
+        runs = methods.get(m, [])
+        if len(runs) >= 2:
+            moved = {k: np.mean([r.moved[k] for r in runs]) for k in ("w_up", "w_down", "w_skip")}
+            rows.append([METHODS[m].label, len(runs), interval_text(paired_t([r.values["sotu_test"] - base
+                                                                               for r in runs])),
+                         *(f"{100 * v:.1f} %" for v in moved.values())])
+    return format_table(["method", "seeds", "Δ held-out loss, State of the Union (95% t)", "W_up moved",
+                         "W_down moved", "W_skip moved"], rows, markdown=True) if rows else ""
+
+
+def machine_time(out: Path, collected: dict) -> str:
+    """Training time of every run of the grid, searches included (evaluations not counted)."""
+    timings = [read_json(f) for f in out.rglob("timing.json")]
+    wall, cpu = sum(t.get("train_seconds", 0.0) for t in timings), sum(t.get("train_cpu_seconds", 0.0) for t in timings)
+    grid = read_json(out / "grid.json")
+    return (f"{len(timings)} trainings, {wall / 3600:.1f} h of wall time and {cpu / 3600:.1f} h of CPU time "
+            f"({grid.get('cpu', 'CPU not recorded')}), at commit {str(grid.get('commit'))[:7]}.")
+
+
+def layer_table(methods: dict[str, list[Run]]) -> str:
+    """Per method and term: growth of the term's output matrix and the causal weights, over depth."""
+    rows = []
+    for m, runs in methods.items():
+        records = [r.layers for r in runs if r.layers]
+        if len(records) < 2:
+            continue
+        for term in records[0]["terms"]:
+            matrix = {"skip": "w_skip", "preproj": "w_down", "side_mlp": "w_a_down", "lora": "proj"}[term]
+            growth = layers.summary(records, term, "growth", matrix)
+            zero = layers.summary(records, term, "zero")
+            mean = layers.summary(records, term, "mean")
+            share = paired_t([sum(r["terms"][term]["mean"]) / sum(r["terms"][term]["zero"]) for r in records
+                              if sum(r["terms"][term]["zero"])])
+            rows.append([METHODS[m].label, term, len(records),
+                         interval_text(growth["slope, all layers"]), interval_text(growth["slope, without layer 0"]),
+                         interval_text(growth["last / first, all layers"], 2),
+                         interval_text(zero["slope, without layer 0"]),
+                         *(f"{sum(r['mean'] for r in t['layers']):.4f}" for t in (zero, mean)),
+                         interval_text(share, 2)])
+    header = ["method", "term", "seeds", "‖W - W_0‖ slope per layer", "... without layer 0", "last / first",
+              "zero-ablation slope, without layer 0", "Σ zero-ablation", "Σ mean-ablation", "mean / zero"]
+    return format_table(header, rows, markdown=True) if rows else "(no layer analysis yet: `python -m study.layers`)"
+
+
+def sections(out: Path, bases: list[str]) -> list[str]:
+    """The experiment's Markdown sections, the contrasts first."""
+    collected = collect(out, bases)
+    rows = contrasts.contrasts(out, bases)
+    parts = ["## The 500-step experiment: pre-registered contrasts",
+             contrasts.table(rows) if rows else "(no contrast has two seeds in both arms yet)",
+             f"Machine time: {machine_time(out, collected)}"]
+    for base, methods in collected.items():
+        parts += [f"## {base}: each method against the frozen base (secondary, unadjusted)", against_baseline(methods)]
+        if searched := search_table(out, base):
+            parts += ["Learning-rate search:", searched]
+        if paper := paper_rows(methods):
+            parts += ["The paper's recipe rows:", paper]
+        parts += ["Layer analysis (`study/layers.py`; intervals: 95% t over seeds):", layer_table(methods)]
+    return parts
