@@ -18,6 +18,7 @@ from lab.evaluation import metric_value, task_metrics
 RESAMPLES = 10_000
 SEED = 1234
 LEVEL = 0.95
+ROUNDING = 1e-12  # differences smaller than this are float rounding (every quantity here is far larger)
 
 
 def resampled_sums(columns: np.ndarray, resamples: int = RESAMPLES, seed: int = SEED) -> np.ndarray:
@@ -189,6 +190,7 @@ def paired_t(diffs: Sequence[float], level: float = LEVEL) -> dict[str, float]:
     """The paired-by-seed difference: its mean, the t-interval at `level` and the two-sided p-value, with the seeds
     as the unit of replication (n - 1 degrees of freedom)."""
     d = np.asarray(diffs, dtype=float)
+    d[np.abs(d) < ROUNDING] = 0.0  # equal values that reached us by different float paths differ by nothing
     n, mean = len(d), float(d.mean())
     se = float(d.std(ddof=1) / math.sqrt(n))
     if se == 0.0:

@@ -28,6 +28,9 @@ def test_paired_t_with_seeds_as_the_unit():
     assert r["high"] - r["mean"] == pytest.approx(2.776445 * sd / np.sqrt(5), rel=1e-6)
     assert r["p"] == pytest.approx(t_sf_two_sided(-0.015 / (sd / np.sqrt(5)), 4)) and r["p"] < 0.01
     assert paired_t([0.01, -0.01, 0.02, -0.02, 0.0])["p"] == pytest.approx(1.0)
+    # equal scores whose float sums differ in the last bit are no difference (no false star from a float zero)
+    zero = paired_t([0.1 + 0.2 - 0.3, 0.1 + 0.2 - 0.3, 2.7755575615628914e-17])
+    assert zero["mean"] == 0.0 and zero["p"] == 1.0 and zero["low"] == zero["high"] == 0.0
 
 
 def test_two_level_bootstrap_counts_seed_and_window_noise():
