@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from data.sources import write_atomic
 from lab.cli import format_table
-from lab.stats import paired_t
+from lab.stats import RESAMPLES, paired_t
 from study import contrasts, layers
 from study.design import (
     EXPERIMENT_METHODS,
@@ -174,13 +175,17 @@ def layer_table(methods: dict[str, list[Run]]) -> str:
     return format_table(header, rows, markdown=True) if rows else "(no layer analysis yet: `python -m study.layers`)"
 
 
-def sections(out: Path, bases: list[str]) -> list[str]:
-    """The experiment's Markdown sections, the contrasts first."""
+def sections(out: Path, bases: list[str], fig_dir: Path | None = None, resamples: int = RESAMPLES) -> list[str]:
+    """The experiment's Markdown sections, the contrasts first; figures into fig_dir, linked relative to its
+    parent (the folder of RESULTS.md)."""
     collected = collect(out, bases)
-    rows = contrasts.contrasts(out, bases)
+    rows = contrasts.contrasts(out, bases, resamples)
     parts = ["## The 500-step experiment: pre-registered contrasts",
              contrasts.table(rows) if rows else "(no contrast has two seeds in both arms yet)",
              f"Machine time: {machine_time(out, collected)}"]
+    for name, draw in (("curves", curve_figure), ("layers", layer_figure)):
+        if fig_dir is not None and (path := draw(collected, fig_dir / f"experiment_{name}.png")):
+            parts.append(f"![{name}]({path.relative_to(fig_dir.parent).as_posix()})")
     for base, methods in collected.items():
         parts += [f"## {base}: each method against the frozen base (secondary, unadjusted)", against_baseline(methods)]
         if searched := search_table(out, base):
@@ -189,3 +194,74 @@ def sections(out: Path, bases: list[str]) -> list[str]:
             parts += ["The paper's recipe rows:", paper]
         parts += ["Layer analysis (`study/layers.py`; intervals: 95% t over seeds):", layer_table(methods)]
     return parts
+
+
+# --- figures (linear axes: a log axis would hide the shape the paper reads) ---
+
+def save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100, metadata={"Software": None}))
+    plt.close(fig)
+    return path
+
+
+def curve_figure(collected: dict, path: Path) -> Path | None:
+    """The search split's loss every 50 steps, per base and method: mean over seeds at the chosen rate."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    panels = [(b, m) for b, m in collected.items() if any(r.curve for runs in m.values() for r in runs)]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(9, 6 * len(panels)), 4.5), squeeze=False)
+    for ax, (base, methods) in zip(axes[0], panels):
+        for m, runs in methods.items():
+            steps = sorted(set.intersection(*(set(r.curve) for r in runs)) if runs[0].curve else ())
+            if steps:
+                ax.plot(steps, [np.mean([r.curve[s] for r in runs]) for s in steps], marker=".",
+                        label=f"{METHODS[m].label} ({len(runs)} seeds)")
+        ax.set(title=base, xlabel="step", ylabel="sotu_search loss (nats / token)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Learning curves: the search split's loss, mean over seeds at each method's chosen lr", fontsize=10)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+OUTPUT_MATRIX = {"skip": "w_skip", "preproj": "w_down", "side_mlp": "w_a_down", "lora": "proj"}
+
+
+def layer_figure(collected: dict, path: Path) -> Path | None:
+    """Per base, three panels over depth: the growth ‖W - W_0‖ of each term's output matrix, its zero-ablation
+    and its mean-ablation; a line per method and term, bands the 95% t-interval over seeds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    series = {b: [(m, term, [r.layers for r in runs if r.layers]) for m, runs in methods.items()
+                  for term in (next((r.layers for r in runs if r.layers), {}) or {}).get("terms", {})]
+              for b, methods in collected.items()}
+    series = {b: [s for s in rows if len(s[2]) >= 2] for b, rows in series.items()}
+    series = {b: rows for b, rows in series.items() if rows}
+    if not series:
+        return None
+    fig, axes = plt.subplots(len(series), 3, figsize=(16, 4.5 * len(series)), squeeze=False)
+    for row, (base, rows) in zip(axes, series.items()):
+        for ax, (measure, title) in zip(row, (("growth", "‖W - W_0‖_F of the term's output matrix"),
+                                              ("zero", "Δ held-out loss, term zeroed"),
+                                              ("mean", "Δ held-out loss, term set to its mean"))):
+            for m, term, records in rows:
+                stats = layers.summary(records, term, measure, OUTPUT_MATRIX[term] if measure == "growth" else None)
+                depth = np.arange(len(stats["layers"]))
+                mean = [t["mean"] for t in stats["layers"]]
+                ax.plot(depth, mean, marker=".", label=f"{METHODS[m].label}: {term}")
+                ax.fill_between(depth, [t["low"] for t in stats["layers"]], [t["high"] for t in stats["layers"]],
+                                alpha=0.2)
+            ax.set(title=f"{base}: {title}", xlabel="layer")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, path)

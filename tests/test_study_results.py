@@ -49,6 +49,8 @@ def fake_grid(out: Path) -> dict[str, list[float]]:
             write(run / "eval-lambada-wikitext.json", eval_summary(0.0, 2e7 + seed, 2.70 + (seed - 42) / 100))
             write(run / "timing.json", {"train_seconds": 100.0, "train_cpu_seconds": 190.0})
             write(run / layers.RECORD, layer_record(0.1 * (seed - 41)))
+            (run / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "loss": 5.0, "sotu_search_loss": v})
+                                                       + "\n" for step, v in ((50, 5.7), (100, loss + 0.1))))
         write(design.Job("b", "ood", method, 0.002, 42).folder(out) / "timing.json",  # the search's other run
               {"train_seconds": 90.0, "train_cpu_seconds": 170.0})
     return losses
@@ -85,8 +87,13 @@ def test_search_paper_rows_time_and_layers(tmp_path):
     assert "| 0.0520 | 0.0040 | +0.08 [+0.08, +0.08] |" in table
 
 
-def test_the_sections_lead_with_the_contrasts(tmp_path):
-    fake_grid(tmp_path)
-    parts = results.sections(tmp_path, ["b"])
+def test_the_sections_lead_with_the_contrasts_and_link_their_figures(tmp_path):
+    fake_grid(tmp_path / "grid")
+    figures = tmp_path / "results" / "figures"
+    parts = results.sections(tmp_path / "grid", ["b"], figures, resamples=200)
     assert parts[0] == "## The 500-step experiment: pre-registered contrasts"
     assert "| b | skip only | 3 |" in parts[1] and parts[2].startswith("Machine time: 8 trainings")
+    assert parts[3:5] == ["![curves](figures/experiment_curves.png)", "![layers](figures/experiment_layers.png)"]
+    assert all((figures / f"experiment_{n}.png").stat().st_size > 10_000 for n in ("curves", "layers"))
+    curves = results.collect(tmp_path / "grid", ["b"])["b"]["skip"]
+    assert [r.curve for r in curves][0] == {50: 5.7, 100: 5.6}
