@@ -20,7 +20,7 @@ import numpy as np
 from data.sources import DataError, write_atomic
 from lab.cli import ArgumentParser, format_table, out_file, positive_int
 from lab.stats import RESAMPLES, SEED, holm, paired_t, two_level_bootstrap
-from study.design import CONTRASTS, METHODS, OUT, method_folder, read_json, run_folders
+from study.design import CONTRASTS, METHODS, OUT, chosen_lr, method_folder, read_json, run_folders
 
 PRIMARY = "sotu_test"  # the pre-registered outcome: own-domain held-out loss
 ARM = "preproj_skip"
@@ -30,10 +30,9 @@ SETTING = "ood"
 
 def seed_windows(out: Path, base: str, method: str) -> dict[int, np.ndarray]:
     """{seed: the primary split's per-window losses} of a method's finished runs at its chosen learning rate."""
-    folder = method_folder(out, base, SETTING, method)
-    chosen = read_json(folder / "lr_search.json").get("chosen", METHODS[method].lr)
+    chosen = chosen_lr(out, base, SETTING, method)
     runs = {}
-    for lr, seed, run in run_folders(folder):
+    for lr, seed, run in run_folders(method_folder(out, base, SETTING, method)):
         windows = read_json(run / "windows.json").get(PRIMARY)
         if windows is not None and chosen is not None and float(lr) == chosen:
             runs[seed] = np.asarray(windows, dtype=float)

@@ -10,7 +10,6 @@ choices to a base's width, where each run's files live, and how both call the pr
 docs/screen.md describes each file of a run folder; docs/experiment.md, the 500-step experiment, adds windows.json.
 """
 
-import argparse
 import json
 import subprocess
 import sys
@@ -21,8 +20,6 @@ from typing import Callable
 import torch
 
 from lab.checkpoint import ROOT, load_model
-from lab.cli import out_folder, positive_int
-from lab.precision import DTYPES
 from model import GPT, SWITCHES, GPTConfig
 
 OUT = ROOT / "out" / "experiment-500"  # the 500-step experiment; the 30-step screen's records are study/runs.tar.gz
@@ -159,6 +156,14 @@ def method_folder(out: Path, base: str, setting: str, method: str) -> Path:
     return out / base / setting / method
 
 
+def chosen_lr(out: Path, base: str, setting: str, method: str) -> float | None:
+    """A method's fixed rate, its search's choice, or the grid's one rate (a grid of one searches nothing); None
+    while its search runs."""
+    grid_lrs = read_json(out / "grid.json").get("lrs", [])
+    search = read_json(method_folder(out, base, setting, method) / "lr_search.json")
+    return METHODS[method].lr or search.get("chosen") or (grid_lrs[0] if len(grid_lrs) == 1 else None)
+
+
 def baseline_folder(out: Path, base: str) -> Path:
     return out / base / "baseline"
 
@@ -207,13 +212,3 @@ def shared_flags(args, keys: tuple[str, ...] = ("device", "dtype", "mirror")) ->
     """Where and how every subprocess computes, when given. A resumed training takes only where (its dtype is
     saved with it)."""
     return [f for k in keys if getattr(args, k) for f in (f"--{k}", getattr(args, k))]
-
-
-def add_shared_args(p: argparse.ArgumentParser) -> None:
-    """The options of both study/grid.py and study/report.py: the run folders, the window, where to compute."""
-    p.add_argument("--out", type=out_folder, default=str(OUT), help="folder of the run folders")
-    p.add_argument("--seq_len", type=positive_int, default=256,
-                   help="window length: of training and held-out losses (grid), of the layer analysis (report)")
-    p.add_argument("--device", default=None, help="passed to every script (default: theirs)")
-    p.add_argument("--dtype", default=None, choices=["auto", *DTYPES], help="passed to every script (default: auto)")
-    p.add_argument("--mirror", default=None, help="offline data mirror folder (default: $PREPROJ_MIRROR)")

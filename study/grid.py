@@ -39,9 +39,9 @@ import torch
 from data.prepare import split_tokens
 from data.sources import DataError
 from lab.checkpoint import NANO_DIR, ROOT, CheckpointError, load_model, read_checkpoint, save_run_file
-from lab.cli import ArgumentParser, nonneg_int, positive_float_list, positive_int
+from lab.cli import ArgumentParser, nonneg_int, out_folder, positive_float_list, positive_int
 from lab.evaluation import TASKS, window_losses
-from lab.precision import for_inference, resolve_dtype
+from lab.precision import DTYPES, for_inference, resolve_dtype
 from lab.recipes import STUDY_BASE, flags
 from lab.run_folder import EXIT_DIVERGED
 from study.design import (
@@ -55,6 +55,7 @@ from study.design import (
     LIMITS,
     MAX_EXTEND,
     METHODS,
+    OUT,
     PAPER_LR,
     PRIMARY_ONLY,
     PROBE_LRS,
@@ -64,7 +65,6 @@ from study.design import (
     STUDY_DIR,
     TEST_SPLITS,
     Job,
-    add_shared_args,
     baseline_folder,
     code_version,
     command,
@@ -76,6 +76,16 @@ from study.design import (
 )
 
 # --- running: subprocesses, each logged into its run folder ---
+
+def add_shared_args(p: argparse.ArgumentParser) -> None:
+    """The grid's options that every subprocess shares: the run folders, the window, where to compute."""
+    p.add_argument("--out", type=out_folder, default=str(OUT), help="folder of the run folders")
+    p.add_argument("--seq_len", type=positive_int, default=256,
+                   help="window length of training and of held-out losses")
+    p.add_argument("--device", default=None, help="passed to every script (default: theirs)")
+    p.add_argument("--dtype", default=None, choices=["auto", *DTYPES], help="passed to every script (default: auto)")
+    p.add_argument("--mirror", default=None, help="offline data mirror folder (default: $PREPROJ_MIRROR)")
+
 
 def resume_argv(folder: Path, args) -> list[str]:
     return command("train.py", "--out_dir", folder, "--resume", *shared_flags(args, ("device", "mirror")))

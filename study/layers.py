@@ -41,17 +41,16 @@ from lab.stats import paired_t
 from model import GPT, LoRALinear
 from study.design import (
     EXPERIMENT_METHODS,
-    METHODS,
     OUT,
+    chosen_lr,
     code_version,
     initial_model,
     method_folder,
-    read_json,
     run_folders,
 )
 
 HELDOUT = "sotu_test"  # the experiment's primary held-out text
-TOKENS = 32_768  # its first 128 windows of 256: the ablations are paired on the same tokens, the seeds are the unit
+TOKENS = 16_384  # its first 64 windows of 256: the ablations are paired on the same tokens, the seeds are the unit
 RECORD = "layers.json"
 
 # term -> (the modules whose output it is, or to which it is added, in a block; its matrices by name)
@@ -175,7 +174,7 @@ def experiment_runs(out: Path, bases: list[str]) -> list[Path]:
     for base in bases:
         for method in EXPERIMENT_METHODS:
             folder = method_folder(out, base, "ood", method)
-            chosen = METHODS[method].lr or read_json(folder / "lr_search.json").get("chosen")  # None: searching
+            chosen = chosen_lr(out, base, "ood", method)
             for lr, _, run in run_folders(folder):
                 if float(lr) == chosen and (run / "ckpt.pt").is_file() and (run / "timing.json").is_file():
                     runs.append(run)

@@ -22,6 +22,7 @@ from study.design import (
     METHODS,
     TEST_SPLITS,
     baseline_folder,
+    chosen_lr,
     method_folder,
     read_json,
     run_folders,
@@ -61,16 +62,12 @@ def read_run(folder: Path, seed: int | None) -> Run | None:
                read_json(folder / layers.RECORD))
 
 
-def chosen_lr(out: Path, base: str, method: str) -> float | None:
-    return METHODS[method].lr or read_json(method_folder(out, base, SETTING, method) / "lr_search.json").get("chosen")
-
-
 def method_runs(out: Path, base: str, method: str) -> list[Run]:
     """A method's finished seeds at its chosen (or fixed) learning rate, by seed."""
     if method == "baseline":
         run = read_run(baseline_folder(out, base), None)
         return [run] if run else []
-    lr = chosen_lr(out, base, method)
+    lr = chosen_lr(out, base, SETTING, method)
     return [r for lr_text, seed, f in run_folders(method_folder(out, base, SETTING, method))
             if lr is not None and float(lr_text) == lr and (r := read_run(f, seed))]
 
@@ -146,7 +143,7 @@ def machine_time(out: Path, collected: dict) -> str:
     timings = [read_json(f) for f in out.rglob("timing.json")]
     wall, cpu = sum(t.get("train_seconds", 0.0) for t in timings), sum(t.get("train_cpu_seconds", 0.0) for t in timings)
     grid = read_json(out / "grid.json")
-    return (f"{len(timings)} trainings, {wall / 3600:.1f} h of wall time and {cpu / 3600:.1f} h of CPU time "
+    return (f"runs trained {len(timings)}, {wall / 3600:.1f} h of wall time and {cpu / 3600:.1f} h of CPU time "
             f"({grid.get('cpu', 'CPU not recorded')}), at commit {str(grid.get('commit'))[:7]}.")
 
 

@@ -20,7 +20,6 @@ import torch
 
 from conftest import MICRO, make_hf_model, run
 from lab.checkpoint import ROOT, load_model, read_checkpoint, run_name
-from lab.evaluation import item_record
 from load_pythia import hf_state_dict
 from model import GPT, GPTConfig
 from study import design, grid, report
@@ -240,25 +239,34 @@ def test_moved_shares(micro_base, tmp_path):
     assert bf16["w_up"] < 0.5 and bf16["w_down"] < 0.5 and bf16["w_skip"] > 0.95
 
 
-# --- the pooled paired comparison on hand-written items ---
+# --- the screen's comparisons: seeds as the unit, Holm over the whole screen ---
 
-def fake_run(folder, correct: list[bool]):
-    records = [item_record("arc_easy", "lm-eval", i, -1.0, 1, False, c, correct_norm=c, gold=0)
-               for i, c in enumerate(correct)]
-    return report.RunRecord(folder, {}, records, {"trainable": 0}, 0.0)
+def fake_run(seed, **values):
+    return report.RunRecord(Path(f"s{seed}"), seed, values, {"trainable": 0}, 0.0)
 
 
-def test_comparisons_pool_seeds_per_item():
-    n = 20
-    methods = {"baseline": (None, [fake_run("b", [False] * n)]),
-               "skip": (1e-3, [fake_run("s1", [True] * 10 + [False] * 10), fake_run("s2", [True] * 5 + [False] * 15)])}
-    found = report.comparisons(methods, resamples=2000)
-    diff, low, high = found[("baseline", "skip", "arc_easy/acc_norm")]
-    assert diff == pytest.approx((10 + 5) / 2 / n)  # the seed-averaged accuracy, 0.375, against 0
-    assert 0 < low < diff < high
-    methods["skip"][1][1].records.pop()  # one seed scored fewer items: refused, not silently paired
-    with pytest.raises(ValueError, match="different items"):
-        report.comparisons(methods, resamples=200)
+def test_the_screens_comparisons_take_seeds_as_units_and_adjust_over_the_screen():
+    from lab.stats import holm, paired_t
+    methods = {"baseline": (None, [fake_run(None, sotu_test=5.0, books_test=5.0, **{"lambada/acc": 0.0})]),
+               "lora_matched": (1e-3, [fake_run(s, sotu_test=4.8 + d, books_test=5.2, **{"lambada/acc": 0.0})
+                                       for s, d in ((42, 0.01), (43, -0.01), (44, 0.0))]),
+               "skip": (1e-3, [fake_run(s, sotu_test=4.7 + d, books_test=5.3, **{"lambada/acc": 0.0})
+                               for s, d in ((42, 0.02), (43, 0.0))])}
+    found = report.comparisons(methods)
+    assert found[("baseline", "skip", "sotu_test")] == paired_t([4.72 - 5.0, 4.70 - 5.0])
+    # paired by seed against LoRA: only the seeds both have (42, 43)
+    assert found[("lora_matched", "skip", "sotu_test")] == paired_t([4.72 - 4.81, 4.70 - 4.79])
+    assert not any(key == "lambada/acc" for _, _, key in found)  # at the floor in every run: no comparison
+    books = found[("baseline", "skip", "books_test")]  # the same difference for every seed: no p-value
+    assert not report.spread(books)
+    cells = {("cell",): found}
+    n = report.adjust(cells)
+    with_p = {k: t["p"] for k, t in found.items() if report.spread(t)}
+    assert n == len(with_p) and books["p_holm"] == 1.0
+    assert all(found[k]["p_holm"] == holm(with_p)[k] for k in with_p)
+    section = report.comparison_section(methods, found, "baseline")
+    assert "| skip only | -0.29 [" in section and "+0.3 (every seed)" in section
+    assert section.endswith("LAMBADA acc: 0 for every run, at the floor.")
 
 
 # --- RESULTS.md: its figures where its links say, relative to it, as the report writes them ---
@@ -320,19 +328,18 @@ def test_grid_runs_resumes_without_retraining_and_builds_the_tables(tiny_pythia,
     again = capsys.readouterr().out
     assert "[train]" not in again and "[eval]" not in again and "[measure]" not in again
     assert {s: os.stat(p).st_mtime_ns for s, p in ckpts.items()} == mtimes
-    report.main(["--out", str(out), "--results", str(results), "--resamples", "500",
-                      "--layer_tokens", "256", "--seq_len", "32"])
+    report.main(["--out", str(out), "--bases", "tiny", "--results", str(results), "--resamples", "500"])
     text = results.read_text()
-    for setting in design.EXPERIMENT_SETTINGS:
-        assert f"## tiny: {design.SETTINGS[setting].label}" in text
-    assert "| method | lr | trainable | train s | loss SOTU |" in text
-    assert "| pre-proj + skip | 0.001 | 28,672 |" in text
-    assert "Against baseline (the frozen base):" in text and "w_skip moved" in text
+    assert "## The 500-step experiment: pre-registered contrasts" in text
+    assert "## tiny: each method against the frozen base (secondary, unadjusted)" in text
+    assert "(no method has two seeds yet)" in text and "Machine time: runs trained 1, " in text
+    assert "# The 30-step screen (a short horizon" in text
+    assert "| method | lr | trainable | train s | loss SOTU |" in text  # the screen's tables, from its records
     figures = results.parent / "figures"
-    assert (figures / "delta_lambada_acc.png").stat().st_size > 1000
-    assert (figures / "layers" / "layers.png").is_file()
-    charts = sorted(f"figures/{p.name}" for p in figures.glob("delta_*.png"))
-    assert sorted(figure_links(results)) == [*charts, "figures/layers/layers.png"]  # linked relative to RESULTS.md
+    assert (figures / "experiment_curves.png").stat().st_size > 1000
+    charts = sorted(f"figures/{p.name}" for p in figures.glob("screen_delta_*.png"))
+    assert len(charts) == 6  # the screen's seven columns but LAMBADA accuracy, 0 for every run
+    assert sorted(figure_links(results)) == sorted([*charts, "figures/experiment_curves.png"])  # relative links
     folder = ckpts["ood"].parent
     measures = json.loads((folder / "measures.json").read_text())
     assert set(design.TEST_SPLITS) <= set(measures) and measures["trainable"] == 28_672
@@ -347,8 +354,7 @@ def test_grid_runs_resumes_without_retraining_and_builds_the_tables(tiny_pythia,
     timing = json.loads((folder / "timing.json").read_text())
     assert timing["train_cpu_seconds"] > 0 and timing["invocations"] == 1
     results.write_text(text.replace("(To be written", "We read: nothing yet (to be written"))
-    report.main(["--out", str(out), "--results", str(results), "--resamples", "500",
-                      "--layer_tokens", "256", "--seq_len", "32"])
+    report.main(["--out", str(out), "--bases", "tiny", "--results", str(results), "--resamples", "500"])
     assert "We read: nothing yet" in results.read_text()  # the hand-written reading survives a rebuild
     assert np.isfinite(measures["sotu_test"])
     (out / "grid.json").write_text(json.dumps({**grid_json, "commit": "0" * 40}))  # a grid of another commit

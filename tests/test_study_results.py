@@ -76,7 +76,7 @@ def test_search_paper_rows_time_and_layers(tmp_path):
     assert "| skip only | 0.002: 5.6000, 0.004: 5.5000 | 0.004 | yes |" in search
     assert "| pre-proj + skip | 0.002: 5.6000, 0.004: 5.5000 | 0.004 | no |" in search
     # 6 x 100 + 2 x 90 s of wall time, 6 x 190 + 2 x 170 s of CPU time
-    assert results.machine_time(tmp_path, collected) == ("8 trainings, 0.2 h of wall time and 0.4 h of CPU time "
+    assert results.machine_time(tmp_path, collected) == ("runs trained 8, 0.2 h of wall time and 0.4 h of CPU time "
                                                          "(AMD EPYC), at commit 0123456.")
     assert "| pre-proj + skip | 3 |" in results.paper_rows(collected["b"])
     table = results.layer_table(collected["b"])
@@ -92,7 +92,7 @@ def test_the_sections_lead_with_the_contrasts_and_link_their_figures(tmp_path):
     figures = tmp_path / "results" / "figures"
     parts = results.sections(tmp_path / "grid", ["b"], figures, resamples=200)
     assert parts[0] == "## The 500-step experiment: pre-registered contrasts"
-    assert "| b | skip only | 3 |" in parts[1] and parts[2].startswith("Machine time: 8 trainings")
+    assert "| b | skip only | 3 |" in parts[1] and parts[2].startswith("Machine time: runs trained 8,")
     assert parts[3:5] == ["![curves](figures/experiment_curves.png)", "![layers](figures/experiment_layers.png)"]
     assert all((figures / f"experiment_{n}.png").stat().st_size > 10_000 for n in ("curves", "layers"))
     curves = results.collect(tmp_path / "grid", ["b"])["b"]["skip"]
