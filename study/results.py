@@ -147,6 +147,27 @@ def machine_time(out: Path, collected: dict) -> str:
             f"({grid.get('cpu', 'CPU not recorded')}), at commit {str(grid.get('commit'))[:7]}.")
 
 
+def setup(out: Path) -> str:
+    """What was run, from grid.json: the design is docs/experiment.md's, this is the record of it."""
+    g = read_json(out / "grid.json")
+    if not g:
+        return "(no grid.json: the settings of the runs are not recorded)"
+    tasks = ", ".join(f"{t} {'in full' if n == 0 else f'first {n}'}" for t, n in g.get("limits", {}).items())
+    return "\n".join([
+        f"- Pre-registered in docs/experiment.md (commit ed53c0c); run by `{' '.join(g['command'])}` at commit "
+        f"{g['commit'][:7]}{' (with uncommitted changes)' if g.get('dirty') else ''} on {g.get('cpu', '?')}.",
+        f"- Bases: {', '.join(f'`{b}`' for b in g['bases'])} (the first is the primary analysis).",
+        f"- Every run: {g['steps']} steps of {g['batch_size']} x {g['seq_len']} tokens of the State of the Union "
+        f"addresses 1945-1992; learning rates searched at seed {g['seeds'][0]} over "
+        f"{', '.join(f'{x:g}' for x in g['lrs'])} (up to {g['max_extend']} more points past an edge); seeds "
+        f"{', '.join(map(str, g['seeds']))} at the chosen rate; the paper's lr {g['paper_lr']:g} as extra rows.",
+        f"- Primary outcome: held-out loss on `sotu_test` (1997-2006); forgetting on `books_test`; benchmarks "
+        f"(lm-eval protocol): {tasks}.",
+        "- Contrasts: pre-proj + skip minus each control, paired by seed; 95% t-interval over seeds and p-value, "
+        "the two-level bootstrap over seeds and held-out windows beside it, Holm over every contrast of every base; "
+        "supported when the adjusted p < 0.05."])
+
+
 def layer_table(methods: dict[str, list[Run]]) -> str:
     """Per method and term: growth of the term's output matrix and the causal weights, over depth."""
     rows = []
@@ -177,7 +198,7 @@ def sections(out: Path, bases: list[str], fig_dir: Path | None = None, resamples
     parent (the folder of RESULTS.md)."""
     collected = collect(out, bases)
     rows = contrasts.contrasts(out, bases, resamples)
-    parts = ["## The 500-step experiment: pre-registered contrasts",
+    parts = ["## The 500-step experiment: pre-registered contrasts", setup(out),
              contrasts.table(rows) if rows else "(no contrast has two seeds in both arms yet)",
              f"Machine time: {machine_time(out, collected)}"]
     for name, draw in (("curves", curve_figure), ("layers", layer_figure)):

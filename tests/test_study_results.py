@@ -33,7 +33,10 @@ def layer_record(slope: float) -> dict:
 def fake_grid(out: Path) -> dict[str, list[float]]:
     """A base with its baseline, pre-proj + skip (searched, chosen 0.004 on the grid's edge) and skip only; returns
     each method's per-seed sotu_test losses."""
-    write(out / "grid.json", {"commit": "0123456789abcdef", "cpu": "AMD EPYC"})
+    write(out / "grid.json", {"commit": "0123456789abcdef", "dirty": False, "cpu": "AMD EPYC",
+                              "command": ["python", "-m", "study.grid"], "bases": {"b": "out/b"}, "steps": 500,
+                              "batch_size": 16, "seq_len": 256, "seeds": SEEDS, "lrs": [0.002, 0.004],
+                              "max_extend": 3, "paper_lr": 1e-5, "limits": {"lambada": 0, "wikitext": 0}})
     write(design.baseline_folder(out, "b") / "measures.json", BASE)
     write(design.baseline_folder(out, "b") / "eval-lambada-wikitext.json", eval_summary(0.0, 3e7, 2.80))
     losses = {"preproj_skip": [5.40, 5.42, 5.41], "skip": [5.50, 5.49, 5.53]}
@@ -92,8 +95,11 @@ def test_the_sections_lead_with_the_contrasts_and_link_their_figures(tmp_path):
     figures = tmp_path / "results" / "figures"
     parts = results.sections(tmp_path / "grid", ["b"], figures, resamples=200)
     assert parts[0] == "## The 500-step experiment: pre-registered contrasts"
-    assert "| b | skip only | 3 |" in parts[1] and parts[2].startswith("Machine time: runs trained 8,")
-    assert parts[3:5] == ["![curves](figures/experiment_curves.png)", "![layers](figures/experiment_layers.png)"]
+    assert parts[1].startswith("- Pre-registered in docs/experiment.md (commit ed53c0c); run by `python -m study.grid` "
+                               "at commit 0123456 on AMD EPYC.")
+    assert "- Every run: 500 steps of 16 x 256 tokens" in parts[1] and "seeds 42, 43, 44 at the chosen rate" in parts[1]
+    assert "| b | skip only | 3 |" in parts[2] and parts[3].startswith("Machine time: runs trained 8,")
+    assert parts[4:6] == ["![curves](figures/experiment_curves.png)", "![layers](figures/experiment_layers.png)"]
     assert all((figures / f"experiment_{n}.png").stat().st_size > 10_000 for n in ("curves", "layers"))
     curves = results.collect(tmp_path / "grid", ["b"])["b"]["skip"]
     assert [r.curve for r in curves][0] == {50: 5.7, 100: 5.6}
