@@ -79,7 +79,9 @@ def collect(out: Path, bases: list[str]) -> dict[str, dict[str, list[Run]]]:
 
 
 def interval_text(t: dict, digits: int = 4) -> str:
-    return f"{t['mean']:+.{digits}f} [{t['low']:+.{digits}f}, {t['high']:+.{digits}f}]"
+    """mean [low, high]; large values (perplexities) in 3 significant digits."""
+    form = "+.3g" if abs(t["mean"]) >= 1e4 else f"+.{digits}f"
+    return f"{t['mean']:{form}} [{t['low']:{form}}, {t['high']:{form}}]"
 
 
 def at_floor(methods: dict[str, list[Run]], key: str) -> bool:
@@ -99,7 +101,7 @@ def against_baseline(methods: dict[str, list[Run]]) -> str:
     for m, runs in methods.items():
         if m == "baseline" or len(runs) < 2:
             continue
-        cells = [interval_text(paired_t([r.values[k] - base[k] for r in runs]), 3 if "ppl" in k else 4)
+        cells = [interval_text(paired_t([r.values[k] - base[k] for r in runs]))
                  if all(k in r.values for r in runs) else None for k in keys]
         rows.append([METHODS[m].label, len(runs), *cells])
     header = ["method", "seeds", *(f"Δ {TEST_SPLITS.get(k, BENCH.get(k))}" for k in keys)]
@@ -143,8 +145,9 @@ def machine_time(out: Path, collected: dict) -> str:
     timings = [read_json(f) for f in out.rglob("timing.json")]
     wall, cpu = sum(t.get("train_seconds", 0.0) for t in timings), sum(t.get("train_cpu_seconds", 0.0) for t in timings)
     grid = read_json(out / "grid.json")
-    return (f"runs trained {len(timings)}, {wall / 3600:.1f} h of wall time and {cpu / 3600:.1f} h of CPU time "
-            f"({grid.get('cpu', 'CPU not recorded')}), at commit {str(grid.get('commit'))[:7]}.")
+    return (f"runs trained {len(timings)}, {cpu / 3600:.1f} h of CPU time ({grid.get('cpu', 'CPU not recorded')}) "
+            f"and {wall / 3600:.1f} h of wall time, which counts any pause of the grid, at commit "
+            f"{str(grid.get('commit'))[:7]}.")
 
 
 def setup(out: Path) -> str:
