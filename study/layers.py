@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
     runs = ([Path(r) for r in args.runs] if args.runs else
             [r for r in experiment_runs(Path(args.out), [b for b in args.bases.split(",") if b])
              if not (r / RECORD).is_file()])
+    missing = [r for r in runs if not (r / "ckpt.pt").is_file()]
+    if missing:
+        raise SystemExit(f"error: {missing[0]} has no ckpt.pt; pass run folders of the experiment's trainings")
     cache: dict = {}
     for run in runs:
         try:

@@ -684,6 +684,9 @@ def test_a_prepared_split_deleted_from_the_cache_is_one_line(monkeypatch, tmp_pa
      "--include_path no/such/folder: no such folder of task YAML files"),
     ("tools.bench", ["--seq", "5000"], "--seq 5000 is longer than the models' window of 2048 positions"),
     ("tools.bench", ["--new_tokens", "100000"], "ask for at most 2032"),
+    ("study.layers", ["--runs", "no/such/run"], "no/such/run has no ckpt.pt; pass run folders of the experiment's"),
+    ("study.records", ["--out", "no/such/grid"], "no/such/grid holds no grid (no grid.json)"),
+    ("study.report", ["--out", "no/such/grid"], "no/such/grid holds no grid (no grid.json)"),
 ])
 def test_the_study_and_the_tools_answer_bad_flags_in_one_line(module, argv, words):
     proc = script("-m", module, *argv)
@@ -714,6 +717,7 @@ UNWRITABLE = "/sys/preproj-test"  # sysfs: not even root may create files there 
     ["-m", "tools.export", "--init_from", "{micro_base}", "--out", UNWRITABLE],
     ["-m", "study.grid", "--bases", "micro={micro_base}", "--only", "baseline", "--tasks", "lambada", "--out",
      UNWRITABLE],
+    ["-m", "study.report", "--results", f"{UNWRITABLE}/RESULTS.md"],
 ])
 def test_an_output_that_cannot_be_written_is_one_line(micro_base, argv):
     proc = script(*(a.format(micro_base=micro_base) for a in argv))
