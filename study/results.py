@@ -241,7 +241,7 @@ def curve_figure(collected: dict, path: Path) -> Path | None:
             steps = sorted(set.intersection(*(set(r.curve) for r in runs)) if runs[0].curve else ())
             if steps:
                 ax.plot(steps, [np.mean([r.curve[s] for r in runs]) for s in steps], marker=".",
-                        label=f"{METHODS[m].label} ({len(runs)} seeds)")
+                        label=f"{METHODS[m].label} ({len(runs)} seed{'s' * (len(runs) != 1)})")
         ax.set(title=base, xlabel="step", ylabel="sotu_search loss (nats / token)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
