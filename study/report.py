@@ -134,7 +134,7 @@ def comparisons(methods: dict) -> dict[tuple[str, str, str], dict]:
     """(reference, method, column) -> paired_t of method minus reference with the seed as the unit: paired by seed
     against another method (the seeds both have), against the frozen base (one model) its seeds' differences."""
     found = {}
-    floor = at_floor(methods)
+    floor = floor_columns(methods)
     for ref in (r for r in REFERENCES if r in methods):
         ref_runs = {r.seed: r for r in methods[ref][1]}
         for m, (_, runs) in methods.items():
@@ -148,10 +148,9 @@ def comparisons(methods: dict) -> dict[tuple[str, str, str], dict]:
     return found
 
 
-def at_floor(methods: dict) -> list[str]:
-    """The columns on which every run of a cell scores exactly 0 (LAMBADA accuracy here): no comparison there."""
-    values = {k: [r.values[k] for _, runs in methods.values() for r in runs if k in r.values] for k in COLUMNS}
-    return [k for k, vs in values.items() if vs and all(v == 0 for v in vs)]
+def floor_columns(methods: dict) -> list[str]:
+    """The columns at the floor in a cell (results.at_floor over every run of it)."""
+    return results.at_floor([r.values for _, runs in methods.values() for r in runs], COLUMNS)
 
 
 def spread(t: dict) -> bool:
@@ -191,7 +190,7 @@ def comparison_section(methods: dict, found: dict, ref: str) -> str:
     if not rows:
         return ""
     table = format_table(["method", *(f"Δ {COLUMNS[k]}" for k in keys)], rows, markdown=True)
-    floor = ", ".join(COLUMNS[k] for k in at_floor(methods))
+    floor = ", ".join(COLUMNS[k] for k in floor_columns(methods))
     note = f"\n\n{floor}: 0 for every run, at the floor." if floor else ""
     return f"Against {METHODS[ref].label}:\n\n{table}{note}"
 
