@@ -31,6 +31,7 @@ from study.design import (
 SETTING = "ood"
 BENCH = {"lambada/acc": "LAMBADA acc", "lambada/ppl": "LAMBADA ppl", "wikitext/bits_per_byte": "WikiText bpb"}
 CURVE = "sotu_search_loss"  # the learning curves: the search split's loss every CURVE_INTERVAL steps
+OUTPUT_MATRIX = {"skip": "w_skip", "preproj": "w_down", "side_mlp": "w_a_down", "lora": "proj"}  # a term's growth
 
 
 @dataclass
@@ -137,7 +138,7 @@ def paper_rows(methods: dict[str, list[Run]]) -> str:
                          "W_down moved", "W_skip moved"], rows, markdown=True) if rows else ""
 
 
-def machine_time(out: Path, collected: dict) -> str:
+def machine_time(out: Path) -> str:
     """Training time of every run of the grid, searches included (evaluations not counted)."""
     timings = [read_json(f) for f in out.rglob("timing.json")]
     wall, cpu = sum(t.get("train_seconds", 0.0) for t in timings), sum(t.get("train_cpu_seconds", 0.0) for t in timings)
@@ -176,8 +177,7 @@ def layer_table(methods: dict[str, list[Run]]) -> str:
         if len(records) < 2:
             continue
         for term in records[0]["terms"]:
-            matrix = {"skip": "w_skip", "preproj": "w_down", "side_mlp": "w_a_down", "lora": "proj"}[term]
-            growth = layers.summary(records, term, "growth", matrix)
+            growth = layers.summary(records, term, "growth", OUTPUT_MATRIX[term])
             zero = layers.summary(records, term, "zero")
             mean = layers.summary(records, term, "mean")
             share = paired_t([sum(r["terms"][term]["mean"]) / sum(r["terms"][term]["zero"]) for r in records
@@ -200,7 +200,7 @@ def sections(out: Path, bases: list[str], fig_dir: Path | None = None, resamples
     rows = contrasts.contrasts(out, bases, resamples)
     parts = ["## The 500-step experiment: pre-registered contrasts", setup(out),
              contrasts.table(rows) if rows else "(no contrast has two seeds in both arms yet)",
-             f"Machine time: {machine_time(out, collected)}"]
+             f"Machine time: {machine_time(out)}"]
     for name, draw in (("curves", curve_figure), ("layers", layer_figure)):
         if fig_dir is not None and (path := draw(collected, fig_dir / f"experiment_{name}.png")):
             parts.append(f"![{name}]({path.relative_to(fig_dir.parent).as_posix()})")
@@ -246,8 +246,6 @@ def curve_figure(collected: dict, path: Path) -> Path | None:
     fig.tight_layout()
     return save(fig, path)
 
-
-OUTPUT_MATRIX = {"skip": "w_skip", "preproj": "w_down", "side_mlp": "w_a_down", "lora": "proj"}
 
 
 def layer_figure(collected: dict, path: Path) -> Path | None:
