@@ -156,15 +156,16 @@ def measure_run(folder: Path, tokens: int = TOKENS, seq_len: int = 256, device: 
     key = (tokenizer.to_str(), HELDOUT)
     if key not in cache:
         cache[key] = split_tokens(HELDOUT, tokenizer, mirror)
+    growth = {term: matrix_growth(model, init, term) for term in terms}  # from the saved weights, before any cast
     seq_len = min(seq_len, model.config.block_size)
-    ctx = for_inference(model, device, resolve_dtype(dtype, device))
+    ctx = for_inference(model, device, resolve_dtype(dtype, device))  # may hold the weights in bf16
     record = {"heldout": HELDOUT, "tokens": min(tokens, len(cache[key]) - 1) // seq_len * seq_len, "seq_len": seq_len,
               "dtype": str(resolve_dtype(dtype, device)).removeprefix("torch."), "step": ckpt.get("step"),
               **code_version(), "terms": {}}
     for term in terms:
         cut = ablations(model, term, cache[key], seq_len, tokens, ctx)
         record["loss"] = cut.pop("loss")
-        record["terms"][term] = {**cut, "matrices": matrix_growth(model, init, term)}
+        record["terms"][term] = {**cut, "matrices": growth[term]}
     return record
 
 

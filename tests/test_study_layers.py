@@ -86,7 +86,8 @@ def test_growth_is_measured_from_the_runs_own_initial_weights(micro_base, tmp_pa
     """A run whose weights never moved (lr 1e-30) has growth 0; a trained run's growth is its distance from that
     run's weights, which share its seed: so the initial weights are drawn again exactly."""
     flags = "--preproj --skip --lora_rank 2"
-    still = layers.measure_run(probe(micro_base, tmp_path / "still", flags, "1e-30"), TOKENS, SEQ, dtype="float32",
+    # measured in bf16 as the experiment is: the growth must come from the saved weights, not bf16 copies of them
+    still = layers.measure_run(probe(micro_base, tmp_path / "still", flags, "1e-30"), TOKENS, SEQ, dtype="bfloat16",
                                mirror=mirror)
     moved = layers.measure_run(probe(micro_base, tmp_path / "moved", flags), TOKENS, SEQ, dtype="float32",
                                mirror=mirror)
