@@ -106,15 +106,17 @@ def replace_term(stand_in):
 
 
 @torch.no_grad()
-def term_means(model: GPT, term: str, stream: np.ndarray, seq_len: int, tokens: int, ctx) -> tuple[float, dict]:
-    """(the intact held-out loss, {module: the term's mean over every held-out position, fp32})."""
+def term_means(model: GPT, terms: list[str], stream: np.ndarray, seq_len: int, tokens: int,
+               ctx) -> tuple[float, dict]:
+    """(the intact held-out loss, {module: its term's mean over every held-out position, fp32}), for every term in
+    one pass."""
     sums: dict[nn.Module, list] = {}
 
     def keep(module, args, out):
         value = (out - untouched(module, args[0])).float().flatten(0, -2)
         total = sums.setdefault(module, [0.0, 0])
         total[0], total[1] = total[0] + value.sum(0), total[1] + len(value)
-    modules = [m for b in model.blocks for m in TERMS[term][0](b)]
+    modules = [m for term in terms for b in model.blocks for m in TERMS[term][0](b)]
     handles = [m.register_forward_hook(keep) for m in modules]
     try:
         loss = val_loss(model, stream, seq_len, tokens, ctx)
@@ -125,11 +127,12 @@ def term_means(model: GPT, term: str, stream: np.ndarray, seq_len: int, tokens: 
 
 
 @torch.no_grad()
-def ablations(model: GPT, term: str, stream: np.ndarray, seq_len: int, tokens: int, ctx) -> dict[str, list[float]]:
-    """{"loss": the intact held-out loss, "zero": per layer the loss increase with that layer's term replaced by
-    zeros, "mean": ... by its mean over the held-out positions}. Each layer is ablated alone, on the same tokens."""
-    loss, means = term_means(model, term, stream, seq_len, tokens, ctx)
-    out = {"loss": loss, "zero": [], "mean": []}
+def ablations(model: GPT, term: str, stream: np.ndarray, seq_len: int, tokens: int, ctx, loss: float,
+              means: dict) -> dict[str, list[float]]:
+    """{"zero": per layer the held-out loss increase over the intact `loss` with that layer's term replaced by
+    zeros, "mean": ... by its mean over the held-out positions (`means`, term_means)}. Each layer is ablated alone,
+    on the same tokens."""
+    out = {"zero": [], "mean": []}
     for block in model.blocks:
         for kind in ("zero", "mean"):
             handles = [m.register_forward_hook(replace_term(
@@ -162,9 +165,9 @@ def measure_run(folder: Path, tokens: int = TOKENS, seq_len: int = 256, device: 
     record = {"heldout": HELDOUT, "tokens": min(tokens, len(cache[key]) - 1) // seq_len * seq_len, "seq_len": seq_len,
               "dtype": str(resolve_dtype(dtype, device)).removeprefix("torch."), "step": ckpt.get("step"),
               **code_version(), "terms": {}}
+    record["loss"], means = term_means(model, terms, cache[key], seq_len, tokens, ctx)
     for term in terms:
-        cut = ablations(model, term, cache[key], seq_len, tokens, ctx)
-        record["loss"] = cut.pop("loss")
+        cut = ablations(model, term, cache[key], seq_len, tokens, ctx, record["loss"], means)
         record["terms"][term] = {**cut, "matrices": growth[term]}
     return record
 
