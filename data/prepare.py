@@ -187,8 +187,8 @@ def wikitext103_probe_lines(tok: Tokenizer, n_lines: int = 2000, min_chars: int 
     """The paper's probe data: probe_lines of WikiText-103 train, each tokenised and cut to max_tokens (the
     training batch pads it, pad labels ignored). From the mirror's WIKITEXT103_TRAIN when it holds the file (an
     offline machine), else downloaded (about 190 MB) and cached."""
-    local = mirror_dir(mirror) and mirror_dir(mirror) / WIKITEXT103_TRAIN
-    if local and local.is_file():
+    local = wikitext103_local(mirror)
+    if local:
         with open(local, encoding="utf-8") as f:
             lines = probe_lines(f, n_lines, min_chars)
     else:
@@ -203,11 +203,17 @@ def wikitext103_probe_lines(tok: Tokenizer, n_lines: int = 2000, min_chars: int 
     return [np.array(enc.ids[:max_tokens], dtype=np.int64) for enc in tok.encode_batch(lines)]
 
 
+def wikitext103_local(mirror: str | None) -> Path | None:
+    """The mirror's copy of WikiText-103 train (its WIKITEXT103_TRAIN slot), or None where it has none."""
+    root = mirror_dir(mirror)
+    return root / WIKITEXT103_TRAIN if root is not None and (root / WIKITEXT103_TRAIN).is_file() else None
+
+
 def wikitext103_files(mirror: str | None = None) -> dict[str, str]:
     """{file: sha256} of the paper's probe text as wikitext103_probe_lines reads it: the mirror's copy, else the
     archive (which that function has checked against its pin)."""
-    local = mirror_dir(mirror) and mirror_dir(mirror) / WIKITEXT103_TRAIN
-    if local and local.is_file():
+    local = wikitext103_local(mirror)
+    if local:
         return {WIKITEXT103_TRAIN: sha256(local)}
     return {WIKITEXT103.rsplit("/", 1)[-1]: WIKITEXT103_SHA256}
 

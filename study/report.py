@@ -230,10 +230,7 @@ def base_table(results: dict) -> str:
 def bar_charts(screen: dict, found: dict, fig_dir: Path) -> list[Path]:
     """A PNG per column: each method minus the baseline, a panel per base and setting, the bars the mean over seeds,
     the intervals the 95% t-interval over seeds."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only
-    import matplotlib.pyplot as plt
-
+    plt = results.pyplot()
     panels = [(b, s) for b in screen for s in screen[b] if "baseline" in screen[b][s]]
     paths = []
     for key, header in COLUMNS.items() if panels else ():

@@ -216,19 +216,24 @@ def sections(out: Path, bases: list[str], fig_dir: Path | None = None, resamples
 
 # --- figures (linear axes: a log axis would hide the shape the paper reads) ---
 
-def save(fig, path: Path) -> Path:
+def pyplot():
+    """matplotlib's pyplot on the file-only backend (works without a display), imported when a figure is drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def save(fig, path: Path) -> Path:
+    """A figure written atomically, with no metadata that would change its bytes from one build to the next."""
     write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100, metadata={"Software": None}))
-    plt.close(fig)
+    pyplot().close(fig)
     return path
 
 
 def curve_figure(collected: dict, path: Path) -> Path | None:
     """The search split's loss every 50 steps, per base and method: mean over seeds at the chosen rate."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     panels = [(b, m) for b, m in collected.items() if any(r.curve for runs in m.values() for r in runs)]
     if not panels:
         return None
@@ -247,15 +252,11 @@ def curve_figure(collected: dict, path: Path) -> Path | None:
     return save(fig, path)
 
 
-
 def layer_figure(collected: dict, path: Path) -> Path | None:
     """Per base, three panels over depth: the growth ‖W - W_0‖ of each term's output matrix, its zero-ablation
     and its mean-ablation; a line per method and term, bands the 95% t-interval over seeds."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
-
+    plt = pyplot()
     series = {b: [(m, term, [r.layers for r in runs if r.layers]) for m, runs in methods.items()
                   for term in (next((r.layers for r in runs if r.layers), {}) or {}).get("terms", {})]
               for b, methods in collected.items()}
