@@ -498,7 +498,7 @@ def eval_model(args) -> tuple[GPT, object]:
     return model, tokenizer
 
 
-def main() -> None:
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(prog="python -m tools.bench", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
@@ -517,8 +517,8 @@ def main() -> None:
     p.add_argument("--system_malloc", action="store_true",
                    help="leave glibc's default of returning freed memory to the OS (train.py keeps it)")
     p.add_argument("--memory_child", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    unused = sorted(explicit_flags(p, None) & set(SMOKE)) if args.smoke else []
+    args = p.parse_args(argv)
+    unused = sorted(explicit_flags(p, argv) & set(SMOKE)) if args.smoke else []
     if unused:
         p.error(f"--smoke sets its own {', '.join('--' + k for k in unused)}; drop them, or drop --smoke")
     if args.seq > WINDOW:
@@ -526,11 +526,11 @@ def main() -> None:
     if PROMPT_TOKENS + args.new_tokens > WINDOW:
         p.error(f"--new_tokens {args.new_tokens}: with section 5's {PROMPT_TOKENS}-token prompt it passes the "
                 f"models' window of {WINDOW} positions; ask for at most {WINDOW - PROMPT_TOKENS}")
-    malloc = "glibc default" if args.system_malloc else "freed memory kept, as train.py" if keep_freed_memory() \
-        else "system default"
-    if args.memory_child:
-        print(json.dumps(measure_mode(*json.loads(args.memory_child), "cpu")))
-        return
+    return args
+
+
+def run_sections(args: argparse.Namespace) -> tuple[list[dict], str]:
+    """(the rows of every section asked for, section 6's LAMBADA quality line or "")."""
     steps = PRECISION_STEPS
     if args.smoke:
         vars(args).update(SMOKE)
@@ -555,6 +555,17 @@ def main() -> None:
         lambada_rows, quality = bench_lambada_precision(model, tokenizer, args.lambada_docs if args.smoke else None,
                                                         args.mirror, args.device)
         rows += lambada_rows
+    return rows, quality
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = get_args(argv)
+    malloc = "glibc default" if args.system_malloc else "freed memory kept, as train.py" if keep_freed_memory() \
+        else "system default"
+    if args.memory_child:
+        print(json.dumps(measure_mode(*json.loads(args.memory_child), "cpu")))
+        return
+    rows, quality = run_sections(args)
     print(f"device: {args.device} ({torch.get_num_threads()} threads), torch {torch.__version__}, malloc: {malloc}; "
           f"train batch {args.batch} x {args.seq}, median of {args.reps} steps")
     print_table(rows)
