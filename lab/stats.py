@@ -192,7 +192,9 @@ def paired_t(diffs: Sequence[float], level: float = LEVEL) -> dict[str, float]:
     d = np.asarray(diffs, dtype=float)
     d[np.abs(d) < ROUNDING] = 0.0  # equal values that reached us by different float paths differ by nothing
     n, mean = len(d), float(d.mean())
-    se = float(d.std(ddof=1) / math.sqrt(n))
+    mean = 0.0 if abs(mean) < ROUNDING else mean  # differences that cancel leave float noise in their sum
+    # the same difference for every seed, reached by different float paths, has no spread: no t-test to make
+    se = 0.0 if np.ptp(d) < ROUNDING else float(d.std(ddof=1) / math.sqrt(n))
     if se == 0.0:
         return {"n": n, "mean": mean, "low": mean, "high": mean, "p": 0.0 if mean else 1.0}
     half = t_quantile(1 - (1 - level) / 2, n - 1) * se

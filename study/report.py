@@ -15,7 +15,9 @@ what survives Holm's adjustment over every comparison of the screen. docs/screen
 
 import argparse
 import math
+import re
 import shlex
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -305,6 +307,25 @@ def kept_reading(path: Path) -> str:
             f"the controls show, and what only a GPU run on Pythia can settle.)\n{READING[1]}")
 
 
+NUMBER = re.compile(r"(?<![\w.])(?>(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[+-]?\d+)?)(?=x\b|[^\w.]|\.(?!\w)|$)")
+NOT_FIGURES = re.compile(r"`[^`]*`|arXiv \d+\.\d+|et al\. \d{4}|(?:Table|Figure) \d+|[A-Za-z]\w*-\d+\w*")
+
+
+def figures(text: str) -> set[str]:
+    """The numbers of a text as written, without their signs: names, commands and citations left out."""
+    return set(NUMBER.findall(NOT_FIGURES.sub(" ", text)))
+
+
+def unquoted_numbers(results: str) -> list[str]:
+    """The numbers of RESULTS.md's hand-written reading that its generated part (tables, setup, notes) does not
+    show: a figure gone stale when the tables were rebuilt, or mistyped. Every number counts, as written (0.141
+    and 0.1410 differ), except inside code, names such as pythia-160m, and citations; a small integer can still
+    match by chance, so the check is sharpest on measured figures."""
+    start, end = results.index(READING[0]), results.index(READING[1]) + len(READING[1])
+    shown = figures(results[:start] + results[end:])
+    return sorted(figures(results[start:end]) - shown)
+
+
 def setting_sections(out: Path, base: str, setting: str, methods: dict, found: dict) -> list[str]:
     parts = [f"## {base}: {SETTINGS[setting].label}", method_table(methods)]
     parts += [sec for ref in REFERENCES if ref in methods and (sec := comparison_section(methods, found, ref))]
@@ -356,8 +377,12 @@ def write_results(args) -> None:
         if experiment is not None:
             parts += results.sections(experiment, args.bases, fig_dir, args.resamples)
         parts += screen_sections(screen, fig_dir)
-    write_atomic(args.results, "\n\n".join(parts) + "\n")
+    text = "\n\n".join(parts) + "\n"
+    write_atomic(args.results, text)
     print(f"wrote {args.results} and its figures in {fig_dir}")
+    if stale := unquoted_numbers(text):
+        print(f"warning: the reading quotes numbers that no table shows (stale or mistyped): {', '.join(stale)}",
+              file=sys.stderr)
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -295,7 +295,22 @@ def test_the_studys_results_link_its_figures_and_keep_their_reading():
     results = ROOT / "study" / "RESULTS.md"
     assert all(link.startswith("figures/") for link in figure_links(results))
     reading = report.kept_reading(results)
-    assert reading.startswith(report.READING[0]) and "**What was run.**" in reading and reading in results.read_text()
+    assert reading.startswith(report.READING[0]) and "## Reading" in reading and reading in results.read_text()
+
+
+def test_every_number_in_the_studys_reading_is_in_its_tables():
+    assert report.unquoted_numbers((ROOT / "study" / "RESULTS.md").read_text()) == []
+
+
+def test_a_number_the_tables_do_not_show_is_caught():
+    tables = "| skip only | -0.0143 [-0.0257, -0.00287] | 4,476,672 | 2.974e+07 |"
+    reading = ("{0}\nThe skip: -0.0143 [-0.0257, -0.00287] of 4,476,672 parameters, {quote}; `--lr 1e-3` on "
+               "pythia-160m (arXiv 2603.13381, He et al. 2022, Table 2).\n{1}")
+    text = lambda quote: reading.format(*report.READING, quote=quote) + "\n" + tables  # noqa: E731
+    assert report.unquoted_numbers(text("perplexity 2.974e+07")) == []
+    assert report.unquoted_numbers(text("perplexity 2.97e+07")) == ["2.97e+07"]  # rounded otherwise: not shown
+    assert report.unquoted_numbers(text("-0.0144 nats")) == ["0.0144"]  # mistyped
+    assert report.unquoted_numbers(text("3.0x faster, 12.5%")) == ["12.5", "3.0"]  # ratios and shares count
 
 
 # --- the grid end to end on a tiny Pythia-shaped folder ---

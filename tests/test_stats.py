@@ -31,6 +31,13 @@ def test_paired_t_with_seeds_as_the_unit():
     # equal scores whose float sums differ in the last bit are no difference (no false star from a float zero)
     zero = paired_t([0.1 + 0.2 - 0.3, 0.1 + 0.2 - 0.3, 2.7755575615628914e-17])
     assert zero["mean"] == 0.0 and zero["p"] == 1.0 and zero["low"] == zero["high"] == 0.0
+    # benchmark scores of 300 items: the same 7-item gain on every seed, from different float paths
+    gains = [77 / 300 - 70 / 300, 78 / 300 - 71 / 300, 79 / 300 - 72 / 300]
+    assert np.ptp(gains) > 0  # the float noise this is about
+    same = paired_t(gains)
+    assert same["low"] == same["high"] == same["mean"] and same["p"] == 0.0
+    cancel = paired_t([71 / 300 - 70 / 300, 72 / 300 - 73 / 300, 0.0])  # one item gained, one lost
+    assert cancel["mean"] == 0.0 and cancel["low"] < 0.0 < cancel["high"]
 
 
 def test_two_level_bootstrap_counts_seed_and_window_noise():
