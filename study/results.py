@@ -8,6 +8,7 @@ unit), unadjusted and labelled so. A benchmark at its floor (every run scoring 0
 """
 
 import json
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,13 +140,16 @@ def paper_rows(methods: dict[str, list[Run]]) -> str:
 
 
 def machine_time(out: Path) -> str:
-    """Training time of every run of the grid, searches included (evaluations not counted)."""
+    """Training time of every run of the grid, searches included (evaluations not counted): the totals, and the
+    median training, which a busy or paused spell of the machine leaves alone."""
     timings = [read_json(f) for f in out.rglob("timing.json")]
-    wall, cpu = sum(t.get("train_seconds", 0.0) for t in timings), sum(t.get("train_cpu_seconds", 0.0) for t in timings)
+    walls, cpus = ([t.get(k, 0.0) for t in timings] for k in ("train_seconds", "train_cpu_seconds"))
     grid = read_json(out / "grid.json")
-    return (f"runs trained {len(timings)}, {cpu / 3600:.1f} h of CPU time ({grid.get('cpu', 'CPU not recorded')}) "
-            f"and {wall / 3600:.1f} h of wall time, which counts any pause of the grid, at commit "
-            f"{str(grid.get('commit'))[:7]}.")
+    cpu = grid.get("cpu", "CPU not recorded")
+    return (f"runs trained {len(timings)}, {sum(cpus) / 3600:.1f} h of CPU time ({cpu}) "
+            f"and {sum(walls) / 3600:.1f} h of wall time, which counts any pause of the grid or other work beside it; "
+            f"the median training {statistics.median(walls):.0f} s of wall time and {statistics.median(cpus):.0f} s "
+            f"of CPU time; at commit {str(grid.get('commit'))[:7]}.")
 
 
 def setup(out: Path) -> str:

@@ -79,9 +79,10 @@ def test_search_paper_rows_time_and_layers(tmp_path):
     assert "| skip only | 0.002: 5.6000, 0.004: 5.5000 | 0.004 | yes |" in search
     assert "| pre-proj + skip | 0.002: 5.6000, 0.004: 5.5000 | 0.004 | no |" in search
     # 6 x 100 + 2 x 90 s of wall time, 6 x 190 + 2 x 170 s of CPU time
-    assert results.machine_time(tmp_path) == ("runs trained 8, 0.4 h of CPU time (AMD EPYC) "
-                                                         "and 0.2 h of wall time, which counts any pause of the "
-                                                         "grid, at commit 0123456.")
+    assert results.machine_time(tmp_path) == ("runs trained 8, 0.4 h of CPU time (AMD EPYC) and 0.2 h of wall "
+                                              "time, which counts any pause of the grid or other work beside it; "
+                                              "the median training 100 s of wall time and 190 s of CPU time; at "
+                                              "commit 0123456.")
     assert "| pre-proj + skip | 3 |" in results.paper_rows(collected["b"])
     table = results.layer_table(collected["b"])
     slopes = paired_t([0.1, 0.2, 0.3])  # seed s's growth rises 0.1 (s - 41) per layer
