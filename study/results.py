@@ -139,6 +139,24 @@ def paper_rows(methods: dict[str, list[Run]]) -> str:
                          "W_down moved", "W_skip moved"], rows, markdown=True) if rows else ""
 
 
+def curve_table(methods: dict[str, list[Run]]) -> str:
+    """The learning curves in numbers: the search split's loss at every logged step, mean and sample standard
+    deviation over the seeds at each method's chosen rate (the figure's points), so the early ranking can be read
+    and quoted."""
+    curves = {m: runs for m, runs in methods.items() if runs and all(r.curve for r in runs)}
+    if not curves:
+        return ""
+    steps = sorted(set.intersection(*(set(r.curve) for runs in curves.values() for r in runs)))
+    rows = []
+    for m, runs in curves.items():
+        cells = []
+        for step in steps:
+            v = [r.curve[step] for r in runs]
+            cells.append(f"{np.mean(v):.4f} ± {np.std(v, ddof=1):.4f}" if len(v) > 1 else f"{v[0]:.4f}")
+        rows.append([METHODS[m].label, len(runs), *cells])
+    return format_table(["method", "seeds", *(f"step {s}" for s in steps)], rows, markdown=True)
+
+
 def machine_time(out: Path) -> str:
     """Training time of every run of the grid, searches included (evaluations not counted): the totals, and the
     median training, which a busy or paused spell of the machine leaves alone."""
@@ -212,6 +230,9 @@ def sections(out: Path, bases: list[str], fig_dir: Path | None = None, resamples
         parts += [f"## {base}: each method against the frozen base (secondary, unadjusted)", against_baseline(methods)]
         if searched := search_table(out, base):
             parts += ["Learning-rate search:", searched]
+        if curve := curve_table(methods):
+            parts += [f"Learning curves ({CURVE.removesuffix('_loss')} loss at each method's chosen lr, mean ± sd "
+                      "over seeds):", curve]
         if paper := paper_rows(methods):
             parts += ["The paper's recipe rows:", paper]
         parts += ["Layer analysis (`study/layers.py`; intervals: 95% t over seeds):", layer_table(methods)]

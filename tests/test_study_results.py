@@ -105,3 +105,13 @@ def test_the_sections_lead_with_the_contrasts_and_link_their_figures(tmp_path):
     assert all((figures / f"experiment_{n}.png").stat().st_size > 10_000 for n in ("curves", "layers"))
     curves = results.collect(tmp_path / "grid", ["b"])["b"]["skip"]
     assert [r.curve for r in curves][0] == {50: 5.7, 100: 5.6}
+
+
+def test_the_learning_curves_in_numbers(tmp_path):
+    losses = fake_grid(tmp_path)
+    table = results.curve_table(results.collect(tmp_path, ["b"])["b"])
+    assert table.splitlines()[0] == "| method | seeds | step 50 | step 100 |"
+    at_100 = np.add(losses["skip"], 0.1)
+    assert (f"| skip only | 3 | 5.7000 ± 0.0000 | {at_100.mean():.4f} ± {np.std(at_100, ddof=1):.4f} |"
+            in table.splitlines())
+    assert "baseline" not in table  # the frozen base has no curve
