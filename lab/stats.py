@@ -190,10 +190,10 @@ def paired_t(diffs: Sequence[float], level: float = LEVEL) -> dict[str, float]:
     """The paired-by-seed difference: its mean, the t-interval at `level` and the two-sided p-value, with the seeds
     as the unit of replication (n - 1 degrees of freedom)."""
     d = np.asarray(diffs, dtype=float)
-    d[np.abs(d) < ROUNDING] = 0.0  # equal values that reached us by different float paths differ by nothing
     n, mean = len(d), float(d.mean())
-    mean = 0.0 if abs(mean) < ROUNDING else mean  # differences that cancel leave float noise in their sum
-    # the same difference for every seed, reached by different float paths, has no spread: no t-test to make
+    # Equal values reach us by different float paths: a mean within rounding of 0 is 0, and the same difference on
+    # every seed has no spread, so no t-test to make.
+    mean = 0.0 if abs(mean) < ROUNDING else mean
     se = 0.0 if np.ptp(d) < ROUNDING else float(d.std(ddof=1) / math.sqrt(n))
     if se == 0.0:
         return {"n": n, "mean": mean, "low": mean, "high": mean, "p": 0.0 if mean else 1.0}

@@ -139,22 +139,25 @@ def paper_rows(methods: dict[str, list[Run]]) -> str:
                          "W_down moved", "W_skip moved"], rows, markdown=True) if rows else ""
 
 
+def curve_by_step(runs: list[Run]) -> dict[int, list[float]]:
+    """A method's learning curve: the search split's loss of each seed at every step all its seeds logged."""
+    steps = set.intersection(*(set(r.curve) for r in runs)) if runs else set()
+    return {s: [r.curve[s] for r in runs] for s in sorted(steps)}
+
+
 def curve_table(methods: dict[str, list[Run]]) -> str:
     """The learning curves in numbers: the search split's loss at every logged step, mean and sample standard
     deviation over the seeds at each method's chosen rate (the figure's points), so the early ranking can be read
     and quoted."""
-    curves = {m: runs for m, runs in methods.items() if runs and all(r.curve for r in runs)}
-    if not curves:
-        return ""
-    steps = sorted(set.intersection(*(set(r.curve) for runs in curves.values() for r in runs)))
-    rows = []
-    for m, runs in curves.items():
-        cells = []
-        for step in steps:
-            v = [r.curve[step] for r in runs]
-            cells.append(f"{np.mean(v):.4f} ± {np.std(v, ddof=1):.4f}" if len(v) > 1 else f"{v[0]:.4f}")
-        rows.append([METHODS[m].label, len(runs), *cells])
-    return format_table(["method", "seeds", *(f"step {s}" for s in steps)], rows, markdown=True)
+    def cell(values: list[float] | None) -> str:
+        if values is None:
+            return "-"
+        return f"{np.mean(values):.4f} ± {np.std(values, ddof=1):.4f}" if len(values) > 1 else f"{values[0]:.4f}"
+
+    curves = {m: c for m, runs in methods.items() if (c := curve_by_step(runs))}
+    steps = sorted(set().union(*curves.values()))
+    rows = [[METHODS[m].label, len(methods[m]), *(cell(c.get(s)) for s in steps)] for m, c in curves.items()]
+    return format_table(["method", "seeds", *(f"step {s}" for s in steps)], rows, markdown=True) if rows else ""
 
 
 def machine_time(out: Path) -> str:
@@ -265,9 +268,8 @@ def curve_figure(collected: dict, path: Path) -> Path | None:
     fig, axes = plt.subplots(1, len(panels), figsize=(max(9, 6 * len(panels)), 4.5), squeeze=False)
     for ax, (base, methods) in zip(axes[0], panels):
         for m, runs in methods.items():
-            steps = sorted(set.intersection(*(set(r.curve) for r in runs)) if runs[0].curve else ())
-            if steps:
-                ax.plot(steps, [np.mean([r.curve[s] for r in runs]) for s in steps], marker=".",
+            if curve := curve_by_step(runs):
+                ax.plot(list(curve), [np.mean(v) for v in curve.values()], marker=".",
                         label=f"{METHODS[m].label} ({len(runs)} seed{'s' * (len(runs) != 1)})")
         ax.set(title=base, xlabel="step", ylabel="sotu_search loss (nats / token)")
         ax.grid(alpha=0.3)
