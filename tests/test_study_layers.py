@@ -168,3 +168,52 @@ def test_the_records_tarball_is_portable_deterministic_and_leaves_out_checkpoint
         "python", "train.py", "--out_dir", "out/experiment-500/b/ood/skip/lr0.002-s42"]
     assert (grid / "b/ood/skip/lr0.002-s42/metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
     assert all(str(tmp_path) not in p.read_text() for p in grid.rglob("*.json*"))
+
+
+def test_the_bases_tarball_keeps_the_grids_own_bases_without_optimizer_state(tmp_path, micro_base):
+    """A later sitting continues the grid on the very same base: the kept weights have the base's fingerprint, the
+    optimizer state is dropped, the bytes are the same on every pack, and a base from elsewhere is not kept."""
+    import shutil
+
+    from lab.checkpoint import read_checkpoint, weights_sha256
+    from study import records
+    root = tmp_path / "project"
+    base = root / "out" / "b-base"
+    shutil.copytree(micro_base, base)
+    assert read_checkpoint(base)["optimizer"] is not None
+    out = root / "out" / "experiment-500"
+    out.mkdir(parents=True)
+    (out / "grid.json").write_text(json.dumps({"bases": {"b": str(base), "other": micro_base}}))
+    first, second = tmp_path / "a.tar.gz", tmp_path / "b.tar.gz"
+    assert records.pack_bases(out, first) == ["b-base"]
+    records.pack_bases(out, second)
+    assert first.read_bytes() == second.read_bytes()
+    restored = records.unpack(first, tmp_path / "restored")
+    assert sorted(p.name for p in restored.iterdir()) == sorted(
+        n for n in records.BASE_FILES if (base / n).is_file())
+    assert "eval.json" in {p.name for p in restored.iterdir()}  # what tells the grid the base is finished
+    assert read_checkpoint(restored)["optimizer"] is None
+    assert load_model(str(restored))[2]["sha256"] == weights_sha256(load_model(str(base))[0])
+    assert str(tmp_path) not in (restored / "config.json").read_text()
+
+
+def test_restored_records_let_the_grid_skip_what_finished(tmp_path, monkeypatch, capsys):
+    """A run finished in an earlier sitting is not trained again from its records alone (no checkpoint): the
+    record files include train.py's eval.json, which is what study.grid.train_job looks for."""
+    from types import SimpleNamespace
+
+    from study import grid, records
+    out = tmp_path / "project" / "out" / "experiment-500"
+    job = design.Job("b", "ood", "skip", 0.002, 42)
+    folder = job.folder(out)
+    folder.mkdir(parents=True)
+    (out / "grid.json").write_text("{}")
+    for name in ("eval.json", "job.json", "timing.json", "ckpt.pt"):
+        (folder / name).write_text("{}")
+    records.pack(out, tmp_path / "r.tar.gz")
+    restored = records.unpack(tmp_path / "r.tar.gz", tmp_path / "sitting-2")
+    assert not (job.folder(restored) / "ckpt.pt").exists()
+    monkeypatch.setattr(grid, "execute", lambda *a: pytest.fail("a finished run was trained again"))
+    args = SimpleNamespace(out=restored, dry_run=False)
+    assert grid.train_job(job, "unused", 32, args) is True
+    assert "[train]" not in capsys.readouterr().out
