@@ -19,6 +19,7 @@ from lab.cli import format_table
 from lab.stats import RESAMPLES, paired_t
 from study import contrasts, layers
 from study.design import (
+    CONTRASTS,
     EXPERIMENT_METHODS,
     METHODS,
     TEST_SPLITS,
@@ -218,6 +219,15 @@ def layer_table(methods: dict[str, list[Run]]) -> str:
     return format_table(header, rows, markdown=True) if rows else "(no layer analysis yet: `python -m study.layers`)"
 
 
+def family_note(done: int, n_bases: int) -> str:
+    """What Holm's adjustment of the contrasts table is over."""
+    m = len(CONTRASTS) * n_bases
+    pending = f"; the {m - done} not run yet count as p = 1 until they have run" if done < m else ""
+    where = "on one base" if n_bases == 1 else f"on each of {n_bases} bases"
+    return (f"p (Holm): adjusted over the {m} pre-registered tests ({len(CONTRASTS)} contrasts {where})"
+            f"{pending}. Verdict: supported when p (Holm) < {contrasts.ALPHA}.")
+
+
 def sections(out: Path, bases: list[str], fig_dir: Path | None = None, resamples: int = RESAMPLES) -> list[str]:
     """The experiment's Markdown sections, the contrasts first; figures into fig_dir, linked relative to its
     parent (the folder of RESULTS.md)."""
@@ -225,6 +235,7 @@ def sections(out: Path, bases: list[str], fig_dir: Path | None = None, resamples
     rows = contrasts.contrasts(out, bases, resamples)
     parts = ["## The 500-step experiment: pre-registered contrasts", setup(out),
              contrasts.table(rows) if rows else "(no contrast has two seeds in both arms yet)",
+             family_note(len(rows), len(bases)),
              f"Machine time: {machine_time(out)}"]
     for name, draw in (("curves", curve_figure), ("layers", layer_figure)):
         if fig_dir is not None and (path := draw(collected, fig_dir / f"experiment_{name}.png")):

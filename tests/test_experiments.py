@@ -427,7 +427,11 @@ def test_the_contrasts_pair_seeds_and_adjust_over_the_family(tmp_path):
     assert mech["mean"] == pytest.approx(diffs.mean()) and mech["p"] == pytest.approx(expect["p"])
     assert mech["seeds"] == [42, 43, 44, 45, 46] and rows["lora_matched"]["seeds"] == [42, 43]
     assert mech["boot_low"] < mech["mean"] < mech["boot_high"] < 0
-    adjusted = holm({c: r["p"] for c, r in rows.items()})
+    # the family is every pre-registered test: "skip" has no contrast yet and counts as p = 1
+    adjusted = holm({c: r["p"] for c, r in rows.items()} | {"skip": 1.0})
     assert all(r["p_holm"] == pytest.approx(adjusted[c]) for c, r in rows.items())
+    assert mech["p_holm"] == pytest.approx(min(1.0, 4 * mech["p"]))  # the smallest of 4, not of the 3 that ran
+    two_bases = {r["control"]: r for r in contrasts.contrasts(tmp_path, ["b", "nothing-run-yet"], resamples=500)}
+    assert two_bases["skip_sidemlp"]["p_holm"] == pytest.approx(min(1.0, 8 * mech["p"]))
     assert mech["verdict"] == "supported" and rows["linear_preproj_skip"]["verdict"] == "not shown"
     assert "| b | skip + side-MLP | 5 |" in contrasts.table(list(rows.values()))

@@ -100,8 +100,11 @@ def test_the_sections_lead_with_the_contrasts_and_link_their_figures(tmp_path):
     assert parts[1].startswith("- Pre-registered in docs/experiment.md (commit ed53c0c); run by `python -m study.grid` "
                                "at commit 0123456 on AMD EPYC.")
     assert "- Every run: 500 steps of 16 x 256 tokens" in parts[1] and "seeds 42, 43, 44 at the chosen rate" in parts[1]
-    assert "| b | skip only | 3 |" in parts[2] and parts[3].startswith("Machine time: runs trained 8,")
-    assert parts[4:6] == ["![curves](figures/experiment_curves.png)", "![layers](figures/experiment_layers.png)"]
+    assert "| b | skip only | 3 |" in parts[2]
+    assert parts[3].startswith("p (Holm): adjusted over the 4 pre-registered tests (4 contrasts on one base); the 3 "
+                               "not run yet count as p = 1")
+    assert parts[4].startswith("Machine time: runs trained 8,")
+    assert parts[5:7] == ["![curves](figures/experiment_curves.png)", "![layers](figures/experiment_layers.png)"]
     assert all((figures / f"experiment_{n}.png").stat().st_size > 10_000 for n in ("curves", "layers"))
     curves = results.collect(tmp_path / "grid", ["b"])["b"]["skip"]
     assert [r.curve for r in curves][0] == {50: 5.7, 100: 5.6}
