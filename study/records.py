@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from data.sources import DataError, write_atomic
-from lab.checkpoint import NANO_DIR, ROOT
+from lab.checkpoint import NANO_DIR, ROOT, CheckpointError, read_checkpoint
 from lab.cli import ArgumentParser, out_file
 from study.design import OUT
 
@@ -103,9 +103,8 @@ def base_bytes(folder: Path, name: str, root: str) -> bytes:
     read), the JSON records with their paths made portable, the tokenizer as it is."""
     path = folder / name
     if name == "ckpt.pt":
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
         buffer = io.BytesIO()
-        torch.save({**ckpt, "optimizer": None}, buffer)
+        torch.save({**read_checkpoint(folder), "optimizer": None}, buffer)
         return buffer.getvalue()
     return path.read_bytes() if name == "tokenizer.json" else portable_bytes(path, root)
 
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         n = pack(out, Path(args.tarball))
         bases = pack_bases(out, Path(args.bases_tarball))
-    except (DataError, json.JSONDecodeError) as e:
+    except (DataError, CheckpointError, json.JSONDecodeError) as e:
         raise SystemExit(f"error: {e}")
     print(f"wrote {n} record files of {out} to {args.tarball}")
     print(f"wrote the bases {', '.join(bases) or '(none finished)'} to {args.bases_tarball}")

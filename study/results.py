@@ -225,7 +225,7 @@ def family_note(done: int, n_bases: int) -> str:
     pending = f"; the {m - done} not run yet count as p = 1 until they have run" if done < m else ""
     where = "on one base" if n_bases == 1 else f"on each of {n_bases} bases"
     return (f"p (Holm): adjusted over the {m} pre-registered tests ({len(CONTRASTS)} contrasts {where})"
-            f"{pending}. Verdict: supported when p (Holm) < {contrasts.ALPHA}.")
+            f"{pending}.")
 
 
 def sections(out: Path, bases: list[str], fig_dir: Path | None = None, resamples: int = RESAMPLES) -> list[str]:
