@@ -24,6 +24,7 @@ def test_bench_smoke(mirror):
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert {line.split("|")[1].strip() for line in table} == {"6"} and "decisions flipped" in proc.stdout
     assert "bf16, model.attention vs fused kernel" in proc.stdout
+    assert "if only its matrix products ran" in proc.stdout
 
 
 def test_compile_matches_eager(micro_base, tmp_path):
