@@ -7,8 +7,9 @@ run yet counting as p = 1).
     python -m study.contrasts                        # the table, from out/experiment-500
     python -m study.contrasts --out OUT --json C.json
 
-A contrast is "supported" when its Holm-adjusted p is below ALPHA (the same rule for every contrast); otherwise it
-is "not shown" at this scale. Each method's runs are its seeds at its chosen rate; a contrast uses the seeds both
+A contrast is decided when its Holm-adjusted p is below ALPHA (the same rule for every contrast), in the direction
+of its sign: "supported" when pre-proj + skip has the lower loss, "reversed" when the control has; otherwise it is
+"not shown" at this scale. Each method's runs are its seeds at its chosen rate; a contrast uses the seeds both
 arms have, and a diverged seed counts as missing.
 """
 
@@ -62,8 +63,15 @@ def contrasts(out: Path, bases: list[str], resamples: int = RESAMPLES) -> list[d
     adjusted = holm(family | {f"{r['base']}/{r['control']}": r["p"] for r in rows})
     for r in rows:
         r["p_holm"] = adjusted[f"{r['base']}/{r['control']}"]
-        r["verdict"] = "supported" if r["p_holm"] < ALPHA else "not shown"
+        r["verdict"] = verdict(r["mean"], r["p_holm"])
     return rows
+
+
+def verdict(difference: float, p_holm: float) -> str:
+    """The decision rule: decided below ALPHA, in the direction of pre-proj + skip minus the control."""
+    if p_holm >= ALPHA:
+        return "not shown"
+    return "supported" if difference < 0 else "reversed"
 
 
 def table(rows: list[dict]) -> str:

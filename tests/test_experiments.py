@@ -435,3 +435,12 @@ def test_the_contrasts_pair_seeds_and_adjust_over_the_family(tmp_path):
     assert two_bases["skip_sidemlp"]["p_holm"] == pytest.approx(min(1.0, 8 * mech["p"]))
     assert mech["verdict"] == "supported" and rows["linear_preproj_skip"]["verdict"] == "not shown"
     assert "| b | skip + side-MLP | 5 |" in contrasts.table(list(rows.values()))
+
+
+def test_a_contrast_the_control_wins_reads_reversed(tmp_path):
+    from study import contrasts
+    fake_experiment(tmp_path, {"preproj_skip": [0.00, 0.01, -0.01, 0.00, 0.005],
+                               "skip_sidemlp": [-0.03, -0.02, -0.04, -0.03, -0.025]})  # clearly better
+    (mech,) = contrasts.contrasts(tmp_path, ["b"], resamples=500)
+    assert mech["mean"] > 0 and mech["p_holm"] < contrasts.ALPHA and mech["verdict"] == "reversed"
+    assert contrasts.verdict(-0.1, 0.01) == "supported" and contrasts.verdict(-0.1, 0.05) == "not shown"
