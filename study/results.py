@@ -192,8 +192,8 @@ def setup(out: Path) -> str:
         f"(lm-eval protocol): {tasks}.",
         "- Contrasts: pre-proj + skip minus each control, paired by seed; 95% t-interval over seeds and p-value, "
         "the two-level bootstrap over seeds and held-out windows beside it, Holm over every contrast of every base; "
-        "supported when the adjusted p < 0.05 and pre-proj + skip's loss is the lower, reversed when the adjusted p < "
-        "0.05 and the control's is."])
+        f"supported when the adjusted p < {contrasts.ALPHA} and pre-proj + skip's loss is the lower, reversed when "
+        f"the adjusted p < {contrasts.ALPHA} and the control's is."])
 
 
 def layer_table(methods: dict[str, list[Run]]) -> str:
