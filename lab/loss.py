@@ -108,8 +108,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                     grad_h[i:i + rows] = (g @ w) * w_row
                 if need_w and mm == torch.float32:  # beta=0 on the first chunk: the empty buffer is written, not read
                     grad_w.addmm_(g.T, h_c * w_row, beta=float(i > 0))
-                elif need_w:  # a bf16 product, accumulated in fp32
-                    g_w = g.T @ (h_c * w_row.to(mm))
+                elif need_w:  # a bf16 product, accumulated in fp32; computed transposed, as (h^T g)^T, so that
+                    g_w = ((h_c * w_row.to(mm)).T @ g).T  # the large g is read in its own layout, not copied
                     if i == 0:
                         grad_w.copy_(g_w)
                     else:
