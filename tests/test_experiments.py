@@ -313,6 +313,19 @@ def test_a_number_the_tables_do_not_show_is_caught():
     assert report.unquoted_numbers(text("3.0x faster, 12.5%")) == ["12.5", "3.0"]  # ratios and shares count
 
 
+def test_each_part_of_the_reading_is_checked_against_its_own_grids_tables():
+    """The reading's experiment part against the experiment's tables, its screen part against the screen's: a
+    stale figure that happens to match a cell of the other grid is caught."""
+    def text(experiment_quote: str, screen_quote: str) -> str:
+        reading = (f"{report.READING[0]}\nThe experiment: {experiment_quote}.\n{report.SCREEN_READING}\n"
+                   f"The screen: {screen_quote}.\n{report.READING[1]}")
+        return "\n".join([reading, "| skip only | -0.2546 [-0.2600, -0.2492] |", f"{report.SCREEN_HEADING} (short)",
+                          "| skip only | 5.832 |"])
+    assert report.unquoted_numbers(text("-0.2546 [-0.2600, -0.2492]", "5.832")) == []
+    assert report.unquoted_numbers(text("5.832", "5.832")) == ["5.832"]  # the screen's cell in the experiment's part
+    assert report.unquoted_numbers(text("-0.2546", "-0.2546")) == ["0.2546"]  # and the other way round
+
+
 # --- the grid end to end on a tiny Pythia-shaped folder ---
 
 @pytest.fixture(scope="module")
