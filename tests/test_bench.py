@@ -34,3 +34,18 @@ def test_compile_matches_eager(micro_base, tmp_path):
     eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
     assert max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4, (eager, compiled)
     assert json.loads((tmp_path / "compiled" / "config.json").read_text())["kind"] == "probe"
+
+
+def test_matmul_replay_records_every_kind_of_product():
+    """The ceiling row replays every matrix product a step runs, the forms with an added term included, on operands
+    of the recorded shapes; an operation that is not a product is left out."""
+    import torch
+
+    from tools.bench import matmul_replay
+    a, b, m, w = torch.randn(2, 3, 4), torch.randn(2, 4, 5), torch.randn(3, 4), torch.randn(4, 5)
+
+    def step():
+        return [torch.baddbmm(torch.zeros(3, 5), a, b), a @ b, torch.addmm(torch.zeros(5), m, w), m @ m.T,
+                torch.softmax(m, -1)]
+    shapes = [tuple(out.shape) for out in matmul_replay(step, "cpu")()]
+    assert shapes == [(2, 3, 5), (2, 3, 5), (3, 5), (3, 3)]

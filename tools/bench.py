@@ -347,8 +347,9 @@ def peak_matmul_rate(n: int, dtype: torch.dtype, device: str, reps: int) -> floa
     return 2 * n**3 / time_interleaved({"mm": peak_matmul(n, dtype, device)}, max(reps, 5), device)["mm"]
 
 
-# The matrix products a profile records: op -> the position of its first matrix operand (addmm's is its bias)
-MATMUL_OPS = {"aten::mm": 0, "aten::addmm": 1, "aten::bmm": 0}
+# The matrix products a profile records: op -> the position of its first matrix operand (addmm's and baddbmm's
+# first input is the term added to the product; model.attention's scores are a baddbmm)
+MATMUL_OPS = {"aten::mm": 0, "aten::addmm": 1, "aten::bmm": 0, "aten::baddbmm": 1}
 PROFILED_DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16}
 
 
