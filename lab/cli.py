@@ -220,6 +220,20 @@ def keep_freed_memory() -> bool:
     return bool(mallopt) and mallopt(m_mmap_threshold, 2**30) == 1 and mallopt(m_trim_threshold, 2**30) == 1
 
 
+# Allocators that take malloc's place when preloaded (LD_PRELOAD): faster again than glibc's with freed memory kept,
+# for a CPU training step (docs/performance.md, "Allocators")
+MALLOC_LIBRARIES = ("tcmalloc", "jemalloc")
+
+
+def preloaded_malloc(maps: str | None = None) -> str | None:
+    """The allocator preloaded in glibc's place (a name from MALLOC_LIBRARIES), read from the libraries this
+    process has mapped (/proc/self/maps, or the text of such a file), or None."""
+    if maps is None:
+        path = Path("/proc/self/maps")
+        maps = path.read_text() if path.exists() else ""
+    return next((name for name in MALLOC_LIBRARIES if f"/lib{name}" in maps), None)
+
+
 @contextmanager
 def first_rank_first(rank: int, world: int) -> Iterator[None]:
     """Rank 0 runs the block first (downloads, the corpus's preparation, caches) while the other processes wait,

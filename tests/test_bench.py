@@ -49,3 +49,18 @@ def test_matmul_replay_records_every_kind_of_product():
                 torch.softmax(m, -1)]
     shapes = [tuple(out.shape) for out in matmul_replay(step, "cpu")()]
     assert shapes == [(2, 3, 5), (2, 3, 5), (3, 5), (3, 3)]
+
+
+def test_preloaded_malloc_is_read_from_the_mapped_libraries():
+    """The bench's first line names the allocator it ran on: a tcmalloc or jemalloc preloaded in glibc's place is
+    found among the process's mapped libraries; glibc alone names none."""
+    from lab.cli import preloaded_malloc
+    line = "7f3c2a000000-7f3c2a022000 r--p 00000000 08:01 1835 {}\n"
+    glibc = line.format("/usr/lib/x86_64-linux-gnu/libc.so.6")
+    assert preloaded_malloc(glibc) is None
+    assert preloaded_malloc(glibc + line.format("/usr/lib/libtcmalloc_minimal.so.4.5.10")) == "tcmalloc"
+    assert preloaded_malloc(line.format("/opt/lib/libjemalloc.so.2") + glibc) == "jemalloc"
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    proc = subprocess.run([sys.executable, "-c", "from lab.cli import preloaded_malloc; print(preloaded_malloc())"],
+                          cwd=ROOT, capture_output=True, text=True, env=env)
+    assert proc.stdout.strip() == "None", proc.stderr[-2000:]  # this process's own maps, read for real

@@ -24,7 +24,8 @@ Sections (the targets are checked in the same run, never by timed unit tests):
 
 Where the two sides do different work (sections 3 and 4) the table also shows the FLOP ratio: on a compute-bound
 device such as a CPU, a measured speed-up cannot go much beyond it. Both sides run in one process with the same
-allocator setting (cli.keep_freed_memory, unless --system_malloc).
+allocator setting (cli.keep_freed_memory, unless --system_malloc), or the tcmalloc or jemalloc preloaded in glibc's
+place, which the first line names.
 """
 
 import argparse
@@ -44,7 +45,15 @@ import torch.nn.functional as F
 from data.prepare import VOCAB_SIZE
 from data.sources import DataError
 from lab.checkpoint import ROOT, CheckpointError
-from lab.cli import ArgumentParser, device, explicit_flags, format_table, keep_freed_memory, positive_int
+from lab.cli import (
+    ArgumentParser,
+    device,
+    explicit_flags,
+    format_table,
+    keep_freed_memory,
+    positive_int,
+    preloaded_malloc,
+)
 from lab.evaluation import encode_pair, score_pairs
 from lab.loss import training_loss
 from lab.precision import DTYPES, autocast, dtype_name, for_inference, hold_matrices_in
@@ -591,6 +600,9 @@ def main(argv: list[str] | None = None) -> None:
     args = get_args(argv)
     malloc = "glibc default" if args.system_malloc else "freed memory kept, as train.py" if keep_freed_memory() \
         else "system default"
+    preloaded = preloaded_malloc()
+    if preloaded:  # then glibc's malloc, and the setting above, go unused
+        malloc = f"{preloaded} (preloaded)"
     if args.memory_child:
         print(json.dumps(measure_mode(*json.loads(args.memory_child), "cpu")))
         return
