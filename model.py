@@ -340,7 +340,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     q and k to fp32."""
     n = cos.shape[-1]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x_rot, x_pass = x[..., :n], x[..., n:]
+    # The rotated dims copied out first: as a view of q or k they are short strided rows, on which the multiplies
+    # and adds below (forward and backward) run slower than the copy costs.
+    x_rot, x_pass = x[..., :n].contiguous(), x[..., n:]
     x1, x2 = x_rot.chunk(2, dim=-1)
     return torch.cat((x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin, x_pass), dim=-1)
 
