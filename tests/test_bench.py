@@ -24,7 +24,8 @@ def test_bench_smoke(mirror):
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert {line.split("|")[1].strip() for line in table} == {"6"} and "decisions flipped" in proc.stdout
     assert "bf16, model.attention vs fused kernel" in proc.stdout
-    assert "if only its matrix products ran" in proc.stdout
+    assert "if only its matrix products ran (their ceiling)" in proc.stdout
+    assert "if only its matrix products ran on its operands' layouts" in proc.stdout
 
 
 def test_compile_matches_eager(micro_base, tmp_path):
@@ -50,6 +51,23 @@ def test_matmul_replay_records_every_kind_of_product():
     shapes = [tuple(out.shape) for out in matmul_replay(step, "cpu")()]
     assert shapes == [(2, 3, 5), (2, 3, 5), (3, 5), (3, 3)]
 
+
+
+def test_matmul_replay_keeps_the_recorded_layouts_when_asked():
+    """The row of the products as the step lays them out replays a transposed operand transposed, and a view into
+    a wider tensor with its stride; the ceiling row replays both contiguous."""
+    import torch
+
+    from tools.bench import recorded_products
+    g, x, wide = torch.randn(6, 3), torch.randn(6, 4), torch.randn(2, 5, 12)
+
+    def step():  # the second product runs as one mm of the 10 rows, each 12 apart
+        return [g.T @ x, wide[..., :4] @ torch.randn(4, 2)]
+
+    def strides(keep_strides):
+        return [operand.stride() for pair in recorded_products(step, "cpu", keep_strides) for operand in pair]
+    assert strides(keep_strides=True) == [(1, 3), (4, 1), (12, 1), (2, 1)]
+    assert strides(keep_strides=False) == [(6, 1), (4, 1), (4, 1), (2, 1)]
 
 def test_preloaded_malloc_is_read_from_the_mapped_libraries():
     """The bench's first line names the allocator it ran on: a tcmalloc or jemalloc preloaded in glibc's place is
