@@ -18,7 +18,8 @@ Sections (the targets are checked in the same run, never by timed unit tests):
   6. bf16 against fp32 (lab/precision.py): the peak matrix-product rates (their ratio is the ceiling of every bf16 /
      fp32 ratio), our training step (embedded base pre-training and probe, pythia-160m probe), what holding a
      frozen base in bf16 buys over autocast's casts, the achieved FLOP rate against the peak bf16 matrix-product
-     rate and the same rate if only the step's matrix products ran (the ceiling at its shapes), causal attention
+     rate and the same rate if only the step's matrix products ran (on contiguous operands: the ceiling at its
+     shapes; on the layouts the step gives them: what its products cost as it runs them), causal attention
      (the fused kernel in bf16 vs fp32, and model.attention vs the fused kernel), and full LAMBADA scoring, with
      what bf16 changes in its per-passage log-probabilities
 
