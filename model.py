@@ -222,16 +222,18 @@ class GPT(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None,
+                      blocks: list[nn.Module] | None = None) -> torch.Tensor:
         """The final norm's output [B, T, d], which the output layer reads. Scorers that need logits at only a
-        few positions apply lm_head to just those rows (the output layer is a large share of a small model)."""
+        few positions apply lm_head to just those rows (the output layer is a large share of a small model).
+        blocks runs in place of self.blocks: the same blocks compiled, for the training loss (lab/loss.py)."""
         T = idx.size(1)
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
         x = self.wte(idx)
         cos, sin = self.rotary(start, T, x.dtype)
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.blocks if blocks is None else blocks):
             x = block(x, cos, sin, cache, i)
         if cache is not None:
             cache.pos += T

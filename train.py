@@ -75,7 +75,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--pure_bf16", action=argparse.BooleanOptionalAction, default=False,
                    help="the paper's precision: weights and AdamW state in bf16 with no fp32 master copy, LoRA "
                         "adapters in fp32 (on with --paper; --no-pure_bf16 keeps fp32 masters)")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each block for the training steps (evaluation stays eager)")
     g.add_argument("--dry_run", action="store_true",
                    help="check this run end to end without training it or writing anything: the device, every file "
                         "it reads, one full step (time, peak memory, projected time), the attention kernel, a few "
@@ -181,7 +182,7 @@ class Run:
     settings: Settings
     out_dir: Path
     model: GPT
-    step_model: torch.nn.Module  # the training objective as the loop calls it: compiled and/or wrapped for DDP
+    step_model: torch.nn.Module  # the training objective as the loop calls it (objective())
     tokenizer: Tokenizer
     optimizer: torch.optim.Optimizer
     train_data: object
@@ -383,11 +384,10 @@ def make_optimizer(model: GPT, s: Settings) -> torch.optim.AdamW:
 
 
 def objective(model: GPT, s: Settings, world: int) -> torch.nn.Module:
-    """What the loop calls: the training loss as a module, compiled and/or wrapped for DDP."""
-    step_model = TrainingObjective(model)
-    if world > 1:  # DDP first, then torch.compile of the wrapped module: the order PyTorch documents
-        step_model = torch.nn.parallel.DistributedDataParallel(step_model)
-    return torch.compile(step_model) if s.compile else step_model
+    """What the loop calls: the training loss as a module, its blocks compiled with --compile, wrapped for DDP
+    when there are several processes."""
+    step_model = TrainingObjective(model, compile_blocks=s.compile)
+    return torch.nn.parallel.DistributedDataParallel(step_model) if world > 1 else step_model
 
 
 def restore(s: Settings, out_dir: Path, model: GPT, optimizer: torch.optim.Optimizer, probe: bool,

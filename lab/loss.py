@@ -4,7 +4,7 @@ F.cross_entropy), with less memory and fewer passes over the largest tensors of 
 and the benchmark scorer use it; tests/test_model.py holds it equal to the plain path in value and gradient.
 
     loss = training_loss(model, x, y)          # what train.py minimises
-    step_model = TrainingObjective(model)      # the same as a module, for torch.compile and DDP to wrap
+    step_model = TrainingObjective(model)      # the same as a module, for DDP to wrap (and to compile)
 """
 
 import torch
@@ -18,13 +18,15 @@ from model import GPT
 LOSS_CHUNK = 2**26
 
 
-def training_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor, n_tokens: int | None = None) -> torch.Tensor:
+def training_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor, n_tokens: int | None = None,
+                  blocks: list[nn.Module] | None = None) -> torch.Tensor:
     """The mean cross-entropy of model on (idx, targets), -100 = ignore, as model(idx, targets)[1] computes it.
 
     With n_tokens, the sum of the token losses here over n_tokens instead: a step split into micro-batches or
     processes passes the whole step's count of target tokens, so that its pieces add up to the step's mean however
-    their tokens are shared out (padded rows hold unequal numbers)."""
-    h = model.hidden_states(idx)
+    their tokens are shared out (padded rows hold unequal numbers). blocks: model's blocks compiled, run in their
+    place (TrainingObjective)."""
+    h = model.hidden_states(idx, blocks=blocks)
     return LinearCrossEntropy.apply(h.flatten(0, 1), model.lm_head.weight, targets.flatten(), torch.is_grad_enabled(),
                                     n_tokens)
 
@@ -39,15 +41,22 @@ def row_losses(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Te
 
 
 class TrainingObjective(nn.Module):
-    """training_loss as a module: what the loop calls, and what torch.compile and DistributedDataParallel wrap
-    (DDP synchronises the gradients of the module it wraps only when called through its forward)."""
+    """training_loss as a module: what the loop calls, and what DistributedDataParallel wraps (DDP synchronises the
+    gradients of the module it wraps only when called through its forward).
 
-    def __init__(self, model: GPT):
+    compile_blocks runs each block through torch.compile (regional compilation: the layers reuse what one block
+    compiles, and the loss, whose data-dependent branch would split a graph, stays eager). The compiled blocks are
+    wrappers around the model's own, sharing their weights; the model itself stays eager, so evaluation and
+    generation never wait for a compile."""
+
+    def __init__(self, model: GPT, compile_blocks: bool = False):
         super().__init__()
         self.model = model
+        # a plain list, not a ModuleList: the wrappers' weights are the model's and must not be registered twice
+        self.compiled_blocks = [torch.compile(block) for block in model.blocks] if compile_blocks else None
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor, n_tokens: int | None = None) -> torch.Tensor:
-        return training_loss(self.model, idx, targets, n_tokens)
+        return training_loss(self.model, idx, targets, n_tokens, self.compiled_blocks)
 
 
 def target_logprob(logits: torch.Tensor, p_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The GPU path, checked where there is no GPU: the memory estimate (the real code on the meta device, equal to what
-autograd saves on the CPU), the dry run end to end on a tiny Pythia-shaped folder, the order of DDP and
-torch.compile; and tests marked for CUDA, which tools/gpu_check.sh runs on a machine that has one."""
+autograd saves on the CPU), the dry run end to end on a tiny Pythia-shaped folder, DDP around the objective
+with compiled blocks; and tests marked for CUDA, which tools/gpu_check.sh runs on a machine that has one."""
 
 import hashlib
 import os
@@ -91,17 +91,40 @@ def test_the_dry_run_checks_a_paper_run_and_writes_nothing(tmp_path, mirror, wik
         train.dry_run(args)
 
 
-# --- DDP and torch.compile, in the order PyTorch documents ---
+# --- DDP and torch.compile ---
 
-def test_ddp_is_wrapped_before_torch_compile(monkeypatch):
-    calls = []
-    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", lambda m: calls.append("ddp") or ("ddp", m))
-    monkeypatch.setattr(torch, "compile", lambda m: calls.append("compile") or ("compiled", m))
-    model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16, block_size=16))
-    settings = train.Settings(compile=True)
-    wrapped = train.objective(model, settings, world=2)
-    assert calls == ["ddp", "compile"] and wrapped[0] == "compiled" and wrapped[1][0] == "ddp"
-    assert isinstance(wrapped[1][1], TrainingObjective)
+def test_ddp_wraps_the_objective_whose_blocks_are_compiled(monkeypatch):
+    """--compile compiles each block for the training objective (regional compilation) and DDP wraps that
+    objective; the model's own blocks are left as they were."""
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", lambda m: ("ddp", m))
+    monkeypatch.setattr(torch, "compile", lambda m: ("compiled", m))
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=16))
+    blocks = list(model.blocks)
+    wrapped = train.objective(model, train.Settings(compile=True), world=2)
+    assert wrapped[0] == "ddp" and isinstance(wrapped[1], TrainingObjective)
+    assert wrapped[1].compiled_blocks == [("compiled", block) for block in blocks] and list(model.blocks) == blocks
+    assert train.objective(model, train.Settings(compile=False), world=1).compiled_blocks is None
+
+
+def test_compiled_blocks_run_for_the_training_loss_only(monkeypatch):
+    """The objective runs its compiled blocks in the model's blocks' place; the model called directly (evaluation,
+    generation) and training_loss without them run the model's own blocks."""
+    ran = []
+
+    def compile_stand_in(block):
+        def compiled(*args):
+            ran.append(block)
+            return block(*args)
+        return compiled
+    monkeypatch.setattr(torch, "compile", compile_stand_in)
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=16))
+    x = torch.randint(0, 64, (2, 16))
+    loss = TrainingObjective(model, compile_blocks=True)(x, x)
+    assert ran == list(model.blocks) and torch.allclose(loss, training_loss(model, x, x))
+    ran.clear()
+    model(x, x)
+    training_loss(model, x, x)
+    assert ran == []
 
 
 # --- on a CUDA GPU (skipped here, run by tools/gpu_check.sh) ---

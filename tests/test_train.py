@@ -86,15 +86,18 @@ def test_resume_matches_uninterrupted_run(micro_base, tmp_path):
 
 
 def test_ddp_two_processes_match_one(micro_base, tmp_path):
+    """Two processes train as one does, with and without --compile (DDP around the objective's compiled blocks)."""
     common = f"train.py --init_from {micro_base} --preproj --skip {MICRO} --max_iters 4 --grad_accum 2"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for launcher, out in (([], "one"), (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"], "two")):
-        proc = subprocess.run([sys.executable, *launcher, *common.split(), "--out_dir", str(tmp_path / out)],
+    two_processes = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    for launcher, flags, out in (([], [], "one"), (two_processes, [], "two"), (two_processes, ["--compile"], "two_c")):
+        proc = subprocess.run([sys.executable, *launcher, *common.split(), *flags, "--out_dir", str(tmp_path / out)],
                               cwd=ROOT, env=env, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert len(one) == len(two) == 4
-    assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5  # same batch, only the order of sums differs
+    one, two, compiled = (losses(tmp_path / out) for out in ("one", "two", "two_c"))
+    assert len(one) == len(two) == len(compiled) == 4
+    for other in (two, compiled):  # same batch, only the order of sums differs
+        assert max(abs(a - b) for a, b in zip(one, other)) < 1e-5
 
 
 def test_pythia_path_end_to_end(tmp_path, mirror):
