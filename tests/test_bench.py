@@ -52,7 +52,6 @@ def test_matmul_replay_records_every_kind_of_product():
     assert shapes == [(2, 3, 5), (2, 3, 5), (3, 5), (3, 3)]
 
 
-
 def test_matmul_replay_keeps_the_recorded_layouts_when_asked():
     """The row of the products as the step lays them out replays a transposed operand transposed, and a view into
     a wider tensor with its stride; the ceiling row replays both contiguous."""
@@ -68,6 +67,7 @@ def test_matmul_replay_keeps_the_recorded_layouts_when_asked():
         return [operand.stride() for pair in recorded_products(step, "cpu", keep_strides) for operand in pair]
     assert strides(keep_strides=True) == [(1, 3), (4, 1), (12, 1), (2, 1)]
     assert strides(keep_strides=False) == [(6, 1), (4, 1), (4, 1), (2, 1)]
+
 
 def test_preloaded_malloc_is_read_from_the_mapped_libraries():
     """The bench's first line names the allocator it ran on: a tcmalloc or jemalloc preloaded in glibc's place is
