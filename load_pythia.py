@@ -128,13 +128,42 @@ def hf_folder(name_or_dir: str, revision: str | None = None) -> str:
     repo_id = name_or_dir if "/" in name_or_dir else f"EleutherAI/{name_or_dir}"
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id):
         raise ValueError(f"{name_or_dir!r} is neither a folder nor a Hugging Face model id like 'pythia-160m'")
-    from huggingface_hub import snapshot_download
-
     patterns = ["config.json", "tokenizer.json", "*.safetensors", "*.safetensors.index.json"]
-    path = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
+    path = hub_download(repo_id, revision, patterns)
     if not any(f.endswith(".safetensors") for f in os.listdir(path)):  # old revisions ship only .bin files
-        path = snapshot_download(repo_id, revision=revision, allow_patterns=["*.bin", "*.bin.index.json"])
+        path = hub_download(repo_id, revision, ["*.bin", "*.bin.index.json"])
     return path
+
+
+def hub_download(repo_id: str, revision: str | None, patterns: list[str]) -> str:
+    """The files of a Hub model that match patterns, from the local cache or downloaded; its folder. The Hub's
+    errors run over several lines: each becomes one OSError line that says what to do."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        return snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
+    except LocalEntryNotFoundError as e:
+        raise OSError(f"{repo_id} cannot be downloaded (no network, or HF_HUB_OFFLINE is set) and is not in the "
+                      f"Hugging Face cache; download it where there is network (`hf download {repo_id}`) or pass "
+                      f"a local folder") from e
+    except GatedRepoError as e:
+        raise OSError(f"{repo_id} is gated on the Hugging Face Hub; accept its terms on its page and log in "
+                      f"(`hf auth login`)") from e
+    except RepositoryNotFoundError as e:
+        raise OSError(f"the Hugging Face Hub has no model {repo_id!r} (or it is private); check the name, e.g. "
+                      f"pythia-160m") from e
+    except RevisionNotFoundError as e:
+        raise OSError(f"{repo_id} has no revision {revision!r} on the Hugging Face Hub; Pythia's checkpoints are "
+                      f"named like step143000") from e
+    except HfHubHTTPError as e:
+        raise OSError(f"the Hugging Face Hub refused {repo_id}: {str(e).splitlines()[0]}") from e
 
 
 def read_hf_weights(folder: str) -> dict[str, torch.Tensor]:

@@ -133,17 +133,6 @@ def compare_items(a_records: list[dict], b_records: list[dict], resamples: int =
     return rows
 
 
-def seed_mean(runs: list[list[dict]], metric) -> tuple[np.ndarray, np.ndarray]:
-    """Per item, a metric's numerator and denominator (an evaluation.Metric) averaged over several evaluations of
-    the same items, e.g. a method's seeds. Its paired bootstrap then resamples items for the seed-averaged metric:
-    the item-to-item noise of a mean over seeds (the seeds' own spread is a separate number)."""
-    for recs in runs[1:]:
-        check_same_items(by_task(runs[0]), by_task(recs))
-    num = np.mean([[metric.num(r) for r in recs] for recs in runs], axis=0)
-    den = np.mean([[metric.den(r) for r in recs] for recs in runs], axis=0)
-    return num, den
-
-
 # --- seeds as the unit: the pre-registered contrasts of the 500-step experiment (docs/experiment.md) ---
 
 def _incomplete_beta(a: float, b: float, x: float) -> float:

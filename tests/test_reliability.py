@@ -228,6 +228,37 @@ def test_damaged_hugging_face_folder(tiny_hf_dir, tmp_path, monkeypatch, capsys,
     assert message in line and str(folder) in line, line
 
 
+def test_a_hub_model_that_cannot_be_downloaded_is_one_line(tmp_path, monkeypatch, capsys):
+    """Offline with an empty Hugging Face cache (the Hub's own offline mode: nothing is downloaded even online)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    line = main_error(monkeypatch, capsys, sample, ["--init_from", "pythia-160m", "--max_new_tokens", "2"])
+    assert "EleutherAI/pythia-160m cannot be downloaded" in line and "hf download EleutherAI/pythia-160m" in line
+
+
+@pytest.mark.parametrize("error, message", [
+    ("RepositoryNotFoundError", "the Hugging Face Hub has no model 'EleutherAI/pythia-16m'"),
+    ("GatedRepoError", "EleutherAI/pythia-16m is gated on the Hugging Face Hub"),
+    ("RevisionNotFoundError", "EleutherAI/pythia-16m has no revision 'step1'"),
+    ("HfHubHTTPError", "the Hugging Face Hub refused EleutherAI/pythia-16m: 503 Service Unavailable"),
+])
+def test_the_hubs_refusals_are_one_line(error, message, monkeypatch, capsys):
+    import huggingface_hub
+    import huggingface_hub.errors
+
+    def refuse(*args, **kwargs):
+        cls = getattr(huggingface_hub.errors, error)
+        e = cls.__new__(cls)  # the Hub's errors want an HTTP response to be built; the message is what matters
+        Exception.__init__(e, "503 Service Unavailable\n\nthe Hub's explanation, over several lines")
+        raise e
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    line = main_error(monkeypatch, capsys, sample, ["--init_from", "pythia-16m@step1", "--max_new_tokens", "2"])
+    assert message in line, line
+
+
 def test_run_folder_without_tokenizer(micro_base, tmp_path, monkeypatch, capsys):
     folder = tmp_path / "run"
     shutil.copytree(micro_base, folder)
