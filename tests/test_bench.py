@@ -37,6 +37,40 @@ def test_compile_matches_eager(micro_base, tmp_path):
     assert json.loads((tmp_path / "compiled" / "config.json").read_text())["kind"] == "probe"
 
 
+def test_step_flops_counts_the_products_the_step_runs():
+    """Section 6's achieved rate counts the products a step runs, counted here by hand and by the profiler. Pre-training
+    runs three forwards' worth. A probe on a frozen base runs its forward, the input gradient of every product with a
+    weight and both of attention's (their operands are both activations), and the new weights' gradients, less what
+    leads only to the frozen embedding: the first block's MLP and its W_up's input gradient. train_flops, an
+    estimate, counts those too, and biases and norms as weights."""
+    import torch
+
+    from model import GPT
+    from tools.bench import recorded_products, shape_config, step_flops, step_fn, train_flops
+    T = 32
+    for probe in (False, True):
+        torch.manual_seed(0)
+        c = shape_config("tiny", switches=probe)
+        model = GPT(c)
+        if probe:
+            model.freeze_base()
+        step = step_fn(model, False, torch.randint(0, c.vocab_size, (1, T + 1)), torch.bfloat16)
+        d, f, e, L = c.n_embd, c.intermediate_size, c.preproj_dim, c.n_layer
+        base = 2 * T * (L * (3 * d * d + d * d + 2 * d * f) + d * c.vocab_size)  # forward products with base weights
+        attn = 4 * L * d * T * T  # forward: scores and values
+        vectors = 2 * T * sum(p.numel() for p in model.parameters() if p.ndim == 1)  # biases and norms
+        if probe:
+            new = 2 * T * L * (2 * d * e + d * d)  # W_up, W_down, W_skip: forward
+            skipped = 2 * T * (2 * d * f + d * e)
+            expected = (base + new + attn) + (base + new + 2 * attn) + new - skipped
+            assert train_flops(c, T, frozen_base=True) == expected + skipped + 2 * vectors
+        else:
+            expected = 3 * (base + attn)
+            assert train_flops(c, T, frozen_base=False) == expected + 3 * vectors
+        assert step_flops(step) == expected
+        assert sum(2 * a.numel() * b.shape[-1] for a, b in recorded_products(step, "cpu")) == expected
+
+
 def test_matmul_replay_records_every_kind_of_product():
     """The ceiling row replays every matrix product a step runs, the forms with an added term included, on operands
     of the recorded shapes; an operation that is not a product is left out."""

@@ -17,11 +17,11 @@ Sections (the targets are checked in the same run, never by timed unit tests):
      without pre-proj + skip
   6. bf16 against fp32 (lab/precision.py): the peak matrix-product rates (their ratio is the ceiling of every bf16 /
      fp32 ratio), our training step (embedded base pre-training and probe, pythia-160m probe), what holding a
-     frozen base in bf16 buys over autocast's casts, the achieved FLOP rate against the peak bf16 matrix-product
-     rate and the same rate if only the step's matrix products ran (on contiguous operands: the ceiling at its
-     shapes; on the layouts the step gives them: what its products cost as it runs them), causal attention
-     (the fused kernel in bf16 vs fp32, and model.attention vs the fused kernel), and full LAMBADA scoring, with
-     what bf16 changes in its per-passage log-probabilities
+     frozen base in bf16 buys over autocast's casts, the achieved FLOP rate (the step's products as it runs them,
+     step_flops) against the peak bf16 matrix-product rate and the same rate if only the step's matrix products
+     ran (on contiguous operands: the ceiling at its shapes; on the layouts the step gives them: what its products
+     cost as it runs them), causal attention (the fused kernel in bf16 vs fp32, and model.attention vs the fused
+     kernel), and full LAMBADA scoring, with what bf16 changes in its per-passage log-probabilities
 
 Where the two sides do different work (sections 3 and 4) the table also shows the FLOP ratio: on a compute-bound
 device such as a CPU, a measured speed-up cannot go much beyond it. Both sides run in one process with the same
@@ -42,6 +42,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from data.prepare import VOCAB_SIZE
 from data.sources import DataError
@@ -199,7 +200,13 @@ def forward_flops(c: GPTConfig, seq: int, logit_rows: int | None = None) -> floa
     head = m.lm_head.weight.numel()
     blocks = m.num_params() - m.wte.weight.numel() - head  # the embedding is a lookup, not a matmul
     rows = seq if logit_rows is None else logit_rows
-    return 2 * seq * blocks + 4 * c.n_layer * c.n_embd * seq * seq + 2 * rows * head
+    return 2 * seq * blocks + attention_flops(c, seq) + 2 * rows * head
+
+
+def attention_flops(c: GPTConfig, seq: int) -> float:
+    """FLOPs of attention's two products in one forward pass over seq tokens (scores, then values), in full: the
+    causal mask's upper half is computed and discarded."""
+    return 4 * c.n_layer * c.n_embd * seq * seq
 
 
 def lambada_flops(c: GPTConfig, pairs: list, batch_size: int) -> tuple[float, float]:
@@ -237,13 +244,24 @@ def measure_mode(shape: str, mode: str, batch: int, seq: int, reps: int, device:
 
 
 def train_flops(c: GPTConfig, seq: int, frozen_base: bool) -> float:
-    """FLOPs of a training step: forward, backward to the activations (each one forward's worth), and the weight
-    gradients of every parameter, or with a frozen base of the new parameters alone."""
+    """An estimate of a training step's FLOPs: the forward; the backward to the activations, one forward's worth for
+    the products with a weight and two for attention's, whose operands are both activations; the weight gradients
+    of every parameter, or with a frozen base of the new parameters alone. With a frozen base it counts the first
+    block's backward in full, of which a step skips what leads only to the frozen embedding (step_flops counts
+    what a step runs)."""
     if not frozen_base:
         return 3 * forward_flops(c, seq)
     with torch.device("meta"):
         new = GPT(c).num_params("new")
-    return 2 * forward_flops(c, seq) + 2 * seq * new
+    return 2 * forward_flops(c, seq) + attention_flops(c, seq) + 2 * seq * new
+
+
+def step_flops(step) -> float:
+    """The FLOPs of the matrix products one call of step runs, forward and backward, attention's fused kernel
+    included, as PyTorch's FLOP counter counts them: the work the step does, whatever is frozen."""
+    with FlopCounterMode(display=False) as counter:
+        step()
+    return counter.get_total_flops()
 
 
 def peak_rss_mb() -> float:
@@ -400,7 +418,8 @@ def replay_operand(shape: list[int], stride: list[int] | None, dtype: torch.dtyp
 def bench_precision(steps: list, seq: int, reps: int, device: str) -> list[dict]:
     """Section 6: the peak matrix-product rate in bf16 against fp32; bf16 against fp32 for our training step; for
     a frozen base also bf16 with the base held in bf16 against plain autocast (what holding it buys); and the
-    achieved FLOP rate against the peak matrix-product rate in bf16."""
+    achieved FLOP rate (step_flops: what the step runs, not train_flops' estimate) against the peak
+    matrix-product rate in bf16."""
     rows, bf16, n = [], torch.bfloat16, 2048 if device == "cpu" else 8192
     peak, peak_fp32 = peak_matmul_rate(n, bf16, device, reps), peak_matmul_rate(n, torch.float32, device, reps)
     # A step is at best as much faster in bf16 as the device's matrix products are: the ceiling of the ratios below.
@@ -432,7 +451,7 @@ def bench_precision(steps: list, seq: int, reps: int, device: str) -> list[dict]
             rows.append({"section": 6, "what": f"{name}, bf16: base held in bf16 vs cast by autocast",
                          "ours": batch * seq / t["bf16"], "reference": batch * seq / t["autocast"], "unit": "tok/s",
                          "ratio": t["autocast"] / t["bf16"], "target": "-"})
-        flops = train_flops(shape_config(shape, switches=probe), seq, frozen_base=probe) * batch
+        flops = step_flops(fns["bf16"])
         step_peak = 2 * n**3 / t["peak"]
         rows.append({"section": 6, "what": f"{name}, bf16: achieved / peak matrix-product FLOP rate (interleaved)",
                      "ours": flops / t["bf16"] / 1e9, "reference": step_peak / 1e9, "unit": "GFLOP/s",
