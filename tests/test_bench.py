@@ -38,11 +38,12 @@ def test_compile_matches_eager(micro_base, tmp_path):
 
 
 def test_step_flops_counts_the_products_the_step_runs():
-    """Section 6's achieved rate counts the products a step runs, counted here by hand and by the profiler. Pre-training
-    runs three forwards' worth. A probe on a frozen base runs its forward, the input gradient of every product with a
-    weight and both of attention's (their operands are both activations), and the new weights' gradients, less what
-    leads only to the frozen embedding: the first block's MLP and its W_up's input gradient. train_flops, an
-    estimate, counts those too, and biases and norms as weights."""
+    """Section 6's achieved rate divides the FLOPs of the products a step runs (step_flops), held here to a count by
+    hand and to the profiler's record of the products. Pre-training runs three forwards' worth. A probe on a frozen
+    base runs its forward, the input gradient of every product with a weight and both of attention's (their operands
+    are both activations), and the new weights' gradients, less what leads only to the frozen embedding: the first
+    block's MLP and its W_up's input gradient. train_flops, an estimate, counts those too, and biases and norms as
+    weights."""
     import torch
 
     from model import GPT
@@ -54,7 +55,8 @@ def test_step_flops_counts_the_products_the_step_runs():
         model = GPT(c)
         if probe:
             model.freeze_base()
-        step = step_fn(model, False, torch.randint(0, c.vocab_size, (1, T + 1)), torch.bfloat16)
+        x = torch.randint(0, c.vocab_size, (1, T + 1))
+        step = step_fn(model, False, x, torch.bfloat16)
         d, f, e, L = c.n_embd, c.intermediate_size, c.preproj_dim, c.n_layer
         base = 2 * T * (L * (3 * d * d + d * d + 2 * d * f) + d * c.vocab_size)  # forward products with base weights
         attn = 4 * L * d * T * T  # forward: scores and values
@@ -68,6 +70,9 @@ def test_step_flops_counts_the_products_the_step_runs():
             expected = 3 * (base + attn)
             assert train_flops(c, T, frozen_base=False) == expected + 3 * vectors
         assert step_flops(step) == expected
+        # fp32 runs the fused attention kernel, whose backward computes the scores again, and the loss's in-place
+        # weight-gradient product
+        assert step_flops(step_fn(model, False, x)) == expected + attn // 2
         assert sum(2 * a.numel() * b.shape[-1] for a, b in recorded_products(step, "cpu")) == expected
 
 

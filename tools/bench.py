@@ -42,7 +42,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils import flop_counter
 
 from data.prepare import VOCAB_SIZE
 from data.sources import DataError
@@ -256,10 +256,21 @@ def train_flops(c: GPTConfig, seq: int, frozen_base: bool) -> float:
     return 2 * forward_flops(c, seq) + attention_flops(c, seq) + 2 * seq * new
 
 
+# Products a step runs on a CPU that PyTorch's FLOP counter has no formula for: the fp32 loss's weight gradient,
+# accumulated in place (lab/loss.py), and the CPU's fused attention kernel, forward and backward.
+# The formulas are PyTorch's own for addmm and attention, unwrapped (the counter wraps what it is given).
+CPU_FLOP_FORMULAS = {
+    torch.ops.aten.addmm_: flop_counter.addmm_flop.__wrapped__,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.sdpa_flop.__wrapped__,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_counter.sdpa_backward_flop.__wrapped__,
+}
+
+
 def step_flops(step) -> float:
-    """The FLOPs of the matrix products one call of step runs, forward and backward, attention's fused kernel
-    included, as PyTorch's FLOP counter counts them: the work the step does, whatever is frozen."""
-    with FlopCounterMode(display=False) as counter:
+    """The FLOPs of the matrix products one call of step runs, forward and backward, as PyTorch's FLOP counter
+    counts them: the work the step does, whatever is frozen. A fused attention kernel (fp32 on a CPU, any precision
+    on a GPU) is counted with the scores its backward computes again."""
+    with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_FLOP_FORMULAS) as counter:
         step()
     return counter.get_total_flops()
 
