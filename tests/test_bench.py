@@ -1,5 +1,5 @@
-"""tools/bench.py must keep running (a smoke run; speed itself is measured by the bench, never asserted here), and the
-optional --compile path of train.py must train exactly like eager mode."""
+"""tools/bench.py must keep running (a smoke run; speed itself is measured by the bench, never asserted here) and count
+a step's work right, and the optional --compile path of train.py must train exactly like eager mode."""
 
 import json
 import os
