@@ -37,6 +37,7 @@ from lab.checkpoint import CheckpointError
 from lab.evaluation import TASKS, check_data, evaluate, val_loss
 from lab.loss import TrainingObjective, training_loss
 from lab.memory import step_memory
+from lab.ops import sdpa_kernel_name
 from lab.precision import (
     DTYPES,
     autocast,
@@ -584,20 +585,14 @@ def timed_step(run: Run) -> dict:
 
 
 def attention_kernel(config: GPTConfig, s: Settings, device: str) -> str:
-    """Which kernel serves attention at the run's shape: on CUDA, whether flash attention takes it."""
+    """Which kernel serves attention at the run's shape. On CUDA, the one F.scaled_dot_product_attention chooses for
+    the run's causal attention (q, k, v in the compute dtype, needing gradients; lab.ops.sdpa_kernel_name)."""
     if not device.startswith("cuda"):
         return "cpu: " + ("bf16 scores written out (model.attention)" if s.dtype == "bfloat16" and
                           s.seq_len <= CPU_BF16_EXPLICIT_MAX else "fused scaled_dot_product_attention")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    q = torch.zeros(1, config.n_head, s.seq_len, config.head_dim, device=device, dtype=DTYPES[s.dtype])
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
-        try:
-            with sdpa_kernel(backend):
-                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-            return f"cuda: {backend.name.lower()}"
-        except RuntimeError:
-            continue
-    return "cuda: none"
+    q = torch.zeros(1, config.n_head, s.seq_len, config.head_dim, device=device, dtype=DTYPES[s.dtype],
+                    requires_grad=True)
+    return "cuda: " + sdpa_kernel_name(q)
 
 
 # --- the command line ---

@@ -87,8 +87,10 @@ def mirror():
 
 # --- training helpers shared by the test files ---
 
+# fp32 so that exactness tests are exact (tests/test_precision.py covers bf16); the CPU on any machine, a GPU's
+# own tests asking for cuda by name (tests/test_gpu_path.py)
 MICRO = ("--n_layer 2 --n_head 2 --n_embd 32 --block_size 32 --batch_size 8 --eval_tasks none --eval_tokens 2048 "
-         "--dtype float32")  # fp32 so that exactness tests are exact; tests/test_precision.py covers bf16
+         "--dtype float32 --device cpu")
 
 
 def run(argv: str) -> tuple:

@@ -144,11 +144,27 @@ def test_cuda_bf16_step_matches_the_cpu_fp32_step():
 
 
 @CUDA
-def test_cuda_attention_takes_flash_at_pythias_shape():
-    """What the dry run reports for a --paper run of pythia-160m: flash attention serves its shape in bf16."""
+def test_cuda_attention_is_fused_at_pythias_shape():
+    """What the dry run reports for a --paper run of pythia-160m: a fused kernel serves its shape in bf16 (which one
+    is PyTorch's choice: cuDNN's on an H200 under torch 2.11), never the scores written out."""
     config = GPTConfig(vocab_size=50304, n_layer=12, n_head=12, n_embd=768)
-    assert train.attention_kernel(config, train.Settings(dtype="bfloat16", seq_len=512), "cuda") == \
-        "cuda: flash_attention"
+    kernel = train.attention_kernel(config, train.Settings(dtype="bfloat16", seq_len=512), "cuda")
+    assert kernel in {"cuda: flash_attention", "cuda: cudnn_attention", "cuda: efficient_attention"}
+
+
+def test_the_attention_kernel_is_read_off_the_operators_it_runs():
+    """The dry run names the kernel scaled_dot_product_attention dispatches to, as the dispatcher sees it: on the
+    CPU its fused kernel; with only the math backend allowed, math (the scores written out by batched products)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lab.ops import OpRecorder, sdpa_kernel_name
+    q = torch.randn(2, 3, 16, 8, requires_grad=True)
+    assert sdpa_kernel_name(q) == "flash_attention_for_cpu"
+    with sdpa_kernel(SDPBackend.MATH):
+        assert sdpa_kernel_name(q) == "math"
+        with OpRecorder() as ops:
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert [op for op, _ in ops.calls].count(torch.ops.aten.bmm) == 2  # the scores, then their product with v
 
 
 # --- tools/gpu_check.sh: what can be checked of it without a GPU ---

@@ -58,6 +58,7 @@ from lab.cli import (
 )
 from lab.evaluation import encode_pair, score_pairs
 from lab.loss import training_loss
+from lab.ops import OpRecorder
 from lab.precision import DTYPES, autocast, dtype_name, for_inference, hold_matrices_in
 from lab.recipes import NANO_SHAPE
 from load_pythia import load_pythia
@@ -386,29 +387,20 @@ def peak_matmul_rate(n: int, dtype: torch.dtype, device: str, reps: int) -> floa
     return 2 * n**3 / time_interleaved({"mm": peak_matmul(n, dtype, device)}, max(reps, 5), device)["mm"]
 
 
-# The matrix products a profile records: op -> the position of its first matrix operand (addmm's and baddbmm's
-# first input is the term added to the product; model.attention's scores are a baddbmm)
-MATMUL_OPS = {"aten::mm": 0, "aten::addmm": 1, "aten::bmm": 0, "aten::baddbmm": 1}
-PROFILED_DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16}
+# The matrix products a step runs, as the dispatcher sees them: op -> the position of its first matrix operand
+# (addmm's and baddbmm's first input is the term added to the product; model.attention's scores are a baddbmm)
+MATMUL_OPS = {torch.ops.aten.mm: 0, torch.ops.aten.addmm: 1, torch.ops.aten.bmm: 0, torch.ops.aten.baddbmm: 1}
 
 
 def recorded_products(step, device: str, keep_strides: bool = False) -> list[list[torch.Tensor]]:
-    """The operands of the matrix products that one call of step runs, recorded by the profiler, made anew with the
-    same shapes and dtypes: contiguous, or with keep_strides laid out as the step laid them out (a transposed view
-    stays transposed). Products inside a fused kernel (scaled_dot_product_attention) are not recorded."""
-    from torch.profiler import profile
-
-    with profile(record_shapes=True) as prof:
+    """The operands of the matrix products that one call of step runs, made anew with the same shapes and dtypes:
+    contiguous, or with keep_strides laid out as the step laid them out (a transposed view stays transposed).
+    Products inside a fused kernel (scaled_dot_product_attention) are not recorded."""
+    with OpRecorder() as ops:
         step()
-    operands = []
-    for e in prof.events():
-        if e.name in MATMUL_OPS:
-            i = MATMUL_OPS[e.name]
-            shapes, dtypes = e.structured_input_shapes[i:i + 2], e.input_dtypes[i:i + 2]
-            strides = e.structured_input_strides[i:i + 2] if keep_strides else [None, None]
-            operands.append([replay_operand(shape, stride, PROFILED_DTYPES[dtype], device)
-                             for shape, stride, dtype in zip(shapes, strides, dtypes)])
-    return operands
+    return [[replay_operand(shape, stride if keep_strides else None, dtype, device)
+             for shape, stride, dtype in tensors[MATMUL_OPS[op]:MATMUL_OPS[op] + 2]]
+            for op, tensors in ops.calls if op in MATMUL_OPS]
 
 
 def matmul_replay(step, device: str, keep_strides: bool = False):

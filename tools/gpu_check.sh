@@ -11,7 +11,11 @@ OUT=${1:-out/gpu-check}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/report.txt") 2>&1
 status=0
-step() { echo; echo "=== $1"; shift; "$@" || { echo "FAILED ($?): $*"; status=1; }; }
+step() {  # a named check, its time, and on failure its exit status; the script goes on either way
+  echo; echo "=== $1"; shift; local t0=$SECONDS
+  "$@" || { echo "FAILED ($?): $*"; status=1; }
+  echo "($((SECONDS - t0)) s)"
+}
 
 random_pythia() {  # a Hugging Face folder of random weights in a Pythia shape: NAME LAYERS HEADS WIDTH
   [ -d "$OUT/$1" ] || python - "$OUT/$1" "$2" "$3" "$4" <<'EOF'
@@ -28,7 +32,8 @@ EOF
 step "the machine" bash -c "nvidia-smi; python -c 'import torch; print(torch.__version__, torch.version.cuda, \
 torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else None)'"
 step "tests marked for CUDA, and the GPU path's logic" python -m pytest -q -rs tests/test_gpu_path.py tests/test_precision.py
-if python -c "from huggingface_hub import HfApi; HfApi().model_info('EleutherAI/pythia-160m')" >/dev/null 2>&1; then
+if timeout 60 python -c "from huggingface_hub import HfApi; HfApi().model_info('EleutherAI/pythia-160m')" \
+    >/dev/null 2>&1; then
   M160=pythia-160m; M410=pythia-410m; DATA=""
 else
   echo "no network: random weights in Pythia's shapes, the corpus as probe text"
@@ -41,7 +46,9 @@ for M in "$M160" "$M410"; do
 done
 step "100 steps of the paper's probe (16 x 512) on $M160" python train.py --init_from "$M160" --paper --preproj --skip \
   --device cuda $DATA --max_iters 100 --warmup_iters 10 --eval_tasks none --out_dir "$OUT/probe-160m-$(date +%s)"
-step "ours against transformers on the GPU" python -m tools.bench --device cuda --shapes pythia-160m --sections 1,2,6 \
-  --reps 3
+step "the student's main job on the GPU (pre-trains the embedded base first if out/nano-base lacks it)" \
+  python train.py --preproj --skip --device cuda --out_dir "$OUT/nano-preproj-skip-$(date +%s)"
+step "ours against transformers on the GPU (section 6 reads the embedded base)" \
+  python -m tools.bench --device cuda --shapes pythia-160m --sections 1,2,6 --reps 3
 echo; echo "=== done: $( [ $status = 0 ] && echo 'every step passed' || echo 'some steps FAILED (above)' ); report: $OUT/report.txt"
 exit $status
