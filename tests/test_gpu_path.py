@@ -146,7 +146,7 @@ def test_cuda_bf16_step_matches_the_cpu_fp32_step():
 @CUDA
 def test_cuda_attention_is_fused_at_pythias_shape():
     """What the dry run reports for a --paper run of pythia-160m: a fused kernel serves its shape in bf16 (which one
-    is PyTorch's choice: cuDNN's on an H200 under torch 2.11), never the scores written out."""
+    is PyTorch's choice; its bf16 scoring on an H200 under torch 2.11 ran cuDNN's), never the scores written out."""
     config = GPTConfig(vocab_size=50304, n_layer=12, n_head=12, n_embd=768)
     kernel = train.attention_kernel(config, train.Settings(dtype="bfloat16", seq_len=512), "cuda")
     assert kernel in {"cuda: flash_attention", "cuda: cudnn_attention", "cuda: efficient_attention"}
