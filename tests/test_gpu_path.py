@@ -169,6 +169,22 @@ def test_the_attention_kernel_is_read_off_the_operators_it_runs():
 
 # --- tools/gpu_check.sh: what can be checked of it without a GPU ---
 
+def test_the_gpu_check_stops_at_once_without_a_python_that_has_torch(tmp_path):
+    """A machine whose `python` lacks torch (a bare image with python3 beside the environment's) gets one line that
+    says what to do and exit status 2, before any step runs."""
+    from conftest import ROOT
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text("#!/bin/sh\necho \"No module named 'torch'\" >&2\nexit 1\n")
+    (bin_dir / "python").chmod(0o755)
+    out = tmp_path / "check"
+    done = subprocess.run(["bash", str(Path(ROOT) / "tools" / "gpu_check.sh"), str(out)], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert done.returncode == 2
+    assert done.stdout.strip().splitlines() == ["error: 'python' cannot import torch; activate the environment "
+                                                "that has it, or put its python first on PATH"]
+    assert (out / "report.txt").read_text() == done.stdout  # the report holds it too
+
 def test_the_gpu_check_script_parses_and_its_random_pythia_loads(tmp_path, mirror):
     from conftest import ROOT
     from lab.checkpoint import load_model

@@ -11,6 +11,10 @@ set -u
 OUT=${1:-out/gpu-check}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/report.txt") 2>&1
+if ! python -c "import torch" >/dev/null 2>&1; then  # every step runs python: say so once, not at each step
+  echo "error: 'python' cannot import torch; activate the environment that has it, or put its python first on PATH"
+  exit 2
+fi
 status=0
 step() {  # a named check, its time, and on failure its exit status; the script goes on either way
   echo; echo "=== $1"; shift; local t0=$SECONDS
