@@ -40,7 +40,7 @@ from data.sources import DataError, write_atomic, write_error
 from lab.checkpoint import ROOT, RUN_SETTINGS, CheckpointError, is_run_folder, load_model, read_checkpoint, run_name
 from lab.cli import ArgumentParser, device, format_table, out_folder, positive_int
 from lab.evaluation import val_loss
-from lab.precision import DTYPES, for_inference, resolve_dtype
+from lab.precision import DTYPES, for_inference, prefer_flash_attention, resolve_dtype
 from lab.stats import last_over_first, trend
 from model import GPT
 
@@ -388,6 +388,7 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> list[Analysis]:
+    prefer_flash_attention()
     args = get_args(argv)
     if args.tokens < args.seq_len:
         raise SystemExit(f"error: --tokens {args.tokens} is less than one window of --seq_len {args.seq_len}")

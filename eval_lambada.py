@@ -17,7 +17,7 @@ from data.sources import DataError
 from lab.checkpoint import CheckpointError, load_model, save_run_file
 from lab.cli import ArgumentParser, add_model_args, name_list, out_file, positive_int, results_table, switches_of
 from lab.evaluation import TASKS, check_request, evaluate, items_entry, items_jsonl, items_path
-from lab.precision import dtype_name, for_inference, resolve_dtype
+from lab.precision import dtype_name, for_inference, prefer_flash_attention, resolve_dtype
 from model import SWITCHES
 
 
@@ -36,6 +36,7 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    prefer_flash_attention()
     args = get_args(argv)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     try:

@@ -15,7 +15,7 @@ from data.sources import DataError
 from lab.checkpoint import CheckpointError, load_model
 from lab.cli import ArgumentParser, add_model_args, nonneg_float, nonneg_int, positive_int, switches_of, utf8
 from lab.evaluation import encode, eot_id
-from lab.precision import for_inference, resolve_dtype
+from lab.precision import for_inference, prefer_flash_attention, resolve_dtype
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +42,7 @@ def sample(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> list[str]:
+    prefer_flash_attention()
     args = get_args(argv)
     try:
         texts = sample(args)

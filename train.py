@@ -46,6 +46,7 @@ from lab.precision import (
     dtype_name,
     hold_as_paper,
     hold_matrices_in,
+    prefer_flash_attention,
     resolve_dtype,
 )
 from lab.recipes import NANO_BASE, NANO_SHAPE, PAPER_PROBE, flags
@@ -610,6 +611,7 @@ def nano_base_args(args: argparse.Namespace) -> argparse.Namespace | None:
 
 
 def main() -> None:
+    prefer_flash_attention()
     args = get_args()
     cli.keep_freed_memory()
     try:

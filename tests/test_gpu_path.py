@@ -143,13 +143,44 @@ def test_cuda_bf16_step_matches_the_cpu_fp32_step():
     assert abs(got.item() - ref.item()) < 0.02
 
 
+@pytest.fixture
+def cudnn_attention_restored():
+    """The process-wide choice of attention kernels as it was before the test."""
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
+
+
 @CUDA
-def test_cuda_attention_is_fused_at_pythias_shape():
-    """What the dry run reports for a --paper run of pythia-160m: a fused kernel serves its shape in bf16 (which one
-    is PyTorch's choice; its bf16 scoring on an H200 under torch 2.11 ran cuDNN's), never the scores written out."""
+@pytest.mark.parametrize("training", [True, False])
+def test_flash_attention_serves_pythias_shape_in_bf16(training, cudnn_attention_restored):
+    """What the entry points run on a GPU: with cuDNN's kernel left out (lab.precision.prefer_flash_attention),
+    flash attention takes pythia-160m's bf16 attention in a training step and in evaluation, never the scores written
+    out; and the dry run names it."""
+    from lab.ops import sdpa_kernel_name
+    from lab.precision import prefer_flash_attention
+    prefer_flash_attention()
+    q = torch.randn(4, 12, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=training)
+    assert sdpa_kernel_name(q) == "flash_attention"
     config = GPTConfig(vocab_size=50304, n_layer=12, n_head=12, n_embd=768)
-    kernel = train.attention_kernel(config, train.Settings(dtype="bfloat16", seq_len=512), "cuda")
-    assert kernel in {"cuda: flash_attention", "cuda: cudnn_attention", "cuda: efficient_attention"}
+    assert train.attention_kernel(config, train.Settings(dtype="bfloat16", seq_len=512), "cuda") == \
+        "cuda: flash_attention"
+
+
+ENTRY_POINTS = ["train", "eval_lambada", "sample", "analyze_layers", "tools.harness", "tools.bench"]
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_every_entry_point_leaves_cudnns_attention_out_first(name, monkeypatch, cudnn_attention_restored):
+    """Each entry point turns cuDNN's attention off before anything else, so that --help, a bad flag and a real run
+    all leave the process alike (on the CPU the switch is there, unused)."""
+    import importlib
+    main = importlib.import_module(name).main
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    with pytest.raises(SystemExit):
+        main() if name == "train" else main(["--help"])
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_the_attention_kernel_is_read_off_the_operators_it_runs():

@@ -59,7 +59,7 @@ from lab.cli import (
 from lab.evaluation import encode_pair, score_pairs
 from lab.loss import training_loss
 from lab.ops import OpRecorder
-from lab.precision import DTYPES, autocast, dtype_name, for_inference, hold_matrices_in
+from lab.precision import DTYPES, autocast, dtype_name, for_inference, hold_matrices_in, prefer_flash_attention
 from lab.recipes import NANO_SHAPE
 from load_pythia import load_pythia
 from model import GPT, GPTConfig, KVCache, attention
@@ -640,6 +640,7 @@ def run_sections(args: argparse.Namespace) -> tuple[list[dict], str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    prefer_flash_attention()  # the kernels train.py and the evaluations run
     args = get_args(argv)
     malloc = "glibc default" if args.system_malloc else "freed memory kept, as train.py" if keep_freed_memory() \
         else "system default"

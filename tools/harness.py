@@ -26,7 +26,7 @@ from data.sources import DataError
 from lab.checkpoint import CheckpointError, load_model, save_run_file
 from lab.cli import ArgumentParser, add_model_args, name_list, out_file, positive_int, results_table, switches_of
 from lab.evaluation import encode, encode_pair, eot_id, rolling_windows, score_pairs
-from lab.precision import dtype_name, for_inference, resolve_dtype
+from lab.precision import dtype_name, for_inference, prefer_flash_attention, resolve_dtype
 from model import GPT, SWITCHES
 
 try:
@@ -192,6 +192,7 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    prefer_flash_attention()
     args = get_args(argv)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     try:
