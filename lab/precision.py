@@ -57,11 +57,12 @@ def autocast(device: str, dtype: torch.dtype):
 
 def prefer_flash_attention() -> None:
     """Leave cuDNN's kernel out of the ones F.scaled_dot_product_attention may pick on CUDA, so that flash attention
-    (or the memory-efficient kernel) serves bf16 attention. PyTorch 2.11 picks cuDNN's on Hopper GPUs, whose first
-    call at each new sequence length is slow: evaluation and generation meet many lengths, and a training step ran
+    (or the memory-efficient kernel) serves bf16 attention. PyTorch 2.11 picked cuDNN's on an H200, where its first
+    call at each new sequence length was slow: evaluation and generation meet many lengths, and a training step ran
     slower too (docs/reproduce.md, "cuDNN's attention or flash"). Every entry point calls it first; no effect on the
     CPU, and none on fp32, which cuDNN's kernel does not take."""
     torch.backends.cuda.enable_cudnn_sdp(False)
+
 
 @torch.no_grad()
 def hold_matrices_in(model: torch.nn.Module, dtype: torch.dtype, only_frozen: bool = True) -> None:
