@@ -216,6 +216,7 @@ def test_the_gpu_check_stops_at_once_without_a_python_that_has_torch(tmp_path):
                                                 "that has it, or put its python first on PATH"]
     assert (out / "report.txt").read_text() == done.stdout  # the report holds it too
 
+
 def test_the_gpu_check_script_parses_and_its_random_pythia_loads(tmp_path, mirror):
     from conftest import ROOT
     from lab.checkpoint import load_model
