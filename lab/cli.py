@@ -221,7 +221,7 @@ def keep_freed_memory() -> bool:
 
 
 # Allocators that take malloc's place when preloaded (LD_PRELOAD): faster again than glibc's with freed memory kept,
-# for a CPU training step (docs/performance.md, "Allocators")
+# for a CPU training step (docs/performance-log.md, "Allocators")
 MALLOC_LIBRARIES = ("tcmalloc", "jemalloc")
 
 
