@@ -14,7 +14,7 @@ One block (without pre-projection x_tilde = x_hat; without the skip its branch i
         └─ ln_2 ─> MLP ────────────────────────────────────────────────────────────┘
                    (a sequential block feeds h to ln_2 instead of x)
 
-Pythia's block is parallel (out = x + attn + skip + mlp(ln_2 x)); a sequential block feeds h to ln_2 instead.
+Pythia's block is parallel, as drawn: out = x + attn + skip + mlp(ln_2 x).
 A parallel MLP adapter (`adapter_dim`) is the capacity control of our comparison: as many new parameters as
 pre-projection + skip, none of them on attention's input. LoRA, the paper's baseline, is attached after the model
 is built, in its own section at the bottom. Everything here is plain PyTorch with no I/O; loading Hugging Face
