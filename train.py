@@ -286,9 +286,12 @@ def train_loop(run: Run, log: TextIO | None) -> None:
                 bar.update(1)
             if signum:
                 break
+    if run.world > 1:
+        # The processes leave the loop together: the others wait for the master's checkpoint, and no process exits
+        # just after a collective whose tensor gloo's worker thread may still hold; that thread's release of it
+        # during the interpreter's shutdown aborts the process (docs/reliability.md, "Several processes").
+        dist.barrier()
     if signum:
-        if run.world > 1:
-            dist.barrier()  # the others wait for the master's checkpoint
         raise run_folder.interrupted(signum, run.step, run.out_dir, run.master)
 
 
