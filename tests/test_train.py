@@ -8,6 +8,8 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from conftest import MICRO, ROOT, losses, make_hf_model, run
 from data.sources import DataError, fetch
@@ -98,6 +100,34 @@ def test_ddp_two_processes_match_one(micro_base, tmp_path):
     assert len(one) == len(two) == len(compiled) == 4
     for other in (two, compiled):  # same batch, only the order of sums differs
         assert max(abs(a - b) for a, b in zip(one, other)) < 1e-5
+
+
+def collectives_of_a_rank(rank: int, port: int, base: str, out: str, logs: str) -> None:
+    """One process of a two-process train.py run, as torchrun starts it; writes the names of the collectives that
+    train.py and lab/ call, in order, to logs/rank<rank>.json."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    calls = []
+    for name in ("all_reduce", "barrier"):
+        real = getattr(dist, name)
+        setattr(dist, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    from train import get_args, train
+    train(get_args(f"--init_from {base} --preproj --skip {MICRO} --max_iters 2 --out_dir {out}".split()))
+    dist.destroy_process_group()
+    with open(os.path.join(logs, f"rank{rank}.json"), "w") as f:
+        json.dump(calls, f)
+
+
+def test_every_process_leaves_the_loop_at_a_barrier(micro_base, tmp_path):
+    """The last collective of every process is a barrier, which holds no tensor: a process that exits just after an
+    all-reduce can abort while gloo's worker thread still releases that all-reduce's tensor (docs/reliability.md,
+    "Several processes")."""
+    mp.spawn(collectives_of_a_rank, args=(30500 + os.getpid() % 1000, micro_base, str(tmp_path / "run"),
+                                          str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        calls = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert calls.count("all_reduce") >= 4 and calls[-1] == "barrier", (rank, calls)
 
 
 def test_pythia_path_end_to_end(tmp_path, mirror):
