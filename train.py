@@ -266,7 +266,8 @@ def train_loop(run: Run, log: TextIO | None) -> None:
             n_tokens = int((y != -100).sum())  # the step's target tokens, every process and micro-batch together
             x, y = (t[run.rank * rows:(run.rank + 1) * rows].to(run.device) for t in (x, y))
             loss = accumulate_gradients(run, x, y, n_tokens)
-            if not math.isfinite(loss):
+            if not math.isfinite(loss):  # the same loss in every process: all stop here
+                leave_together(run)
                 raise diverged(f"the loss became {loss} at step {run.step + 1}", run.out_dir, run.saved_step)
             if s.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], s.grad_clip)
@@ -286,13 +287,17 @@ def train_loop(run: Run, log: TextIO | None) -> None:
                 bar.update(1)
             if signum:
                 break
-    if run.world > 1:
-        # The processes leave the loop together: the others wait for the master's checkpoint, and no process exits
-        # just after a collective whose tensor gloo's worker thread may still hold; that thread's release of it
-        # during the interpreter's shutdown aborts the process (docs/reliability.md, "Several processes").
-        dist.barrier()
+    leave_together(run)  # after a signal, the others also wait for the master's checkpoint
     if signum:
         raise run_folder.interrupted(signum, run.step, run.out_dir, run.master)
+
+
+def leave_together(run: Run) -> None:
+    """The processes of a multi-process run leave the loop at a barrier, so that none exits just after a
+    collective whose tensor gloo's worker thread may still hold: that thread's release of it during the
+    interpreter's shutdown aborts the process (docs/reliability.md, "Several processes")."""
+    if run.world > 1:
+        dist.barrier()
 
 
 def accumulate_gradients(run: Run, x: torch.Tensor, y: torch.Tensor, n_tokens: int) -> float:
