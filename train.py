@@ -650,4 +650,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if "RANK" in os.environ:  # a process that torchrun started
+        cli.exit_without_interpreter_shutdown(main)
     main()

@@ -8,9 +8,10 @@ import ctypes
 import math
 import os
 import sys
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -243,6 +244,27 @@ def first_rank_first(rank: int, world: int) -> Iterator[None]:
     yield
     if world > 1 and rank == 0:
         dist.barrier()
+
+
+def exit_without_interpreter_shutdown(main: Callable[[], None]) -> NoReturn:
+    """Run a script's main() and end the process at once with its exit status, skipping the interpreter's shutdown,
+    for the processes torchrun starts: DDP keeps gloo's process group and its worker threads alive past
+    destroy_process_group(), and a worker that lets go of a collective's tensor while the interpreter shuts down
+    aborts the process (docs/reliability.md, "Several processes"). What the shutdown would print, a SystemExit's
+    message or an uncaught exception's traceback, is printed here; main() has closed every file it wrote."""
+    try:
+        main()
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def setup_distributed(device: str) -> tuple[int, int, str]:

@@ -130,6 +130,24 @@ def test_every_process_leaves_the_loop_at_a_barrier(micro_base, tmp_path):
         assert calls.count("all_reduce") >= 4 and calls[-1] == "barrier", (rank, calls)
 
 
+@pytest.mark.parametrize("body, status, stderr", [
+    ("pass", 0, ""),
+    ("raise SystemExit(3)", 3, ""),
+    ("raise SystemExit('error: a one-line message')", 1, "error: a one-line message\n"),
+    ("raise ValueError('not caught')", 1, "ValueError: not caught"),
+])
+def test_a_torchrun_process_exits_with_its_status_and_without_the_interpreter_shutdown(body, status, stderr):
+    """cli.exit_without_interpreter_shutdown: main()'s exit status and what the shutdown would print, while the
+    shutdown itself (here an atexit handler that would print) never runs."""
+    script = ("import atexit, sys\nfrom lab import cli\n"
+              "atexit.register(lambda: print('the interpreter shut down', file=sys.stderr))\n"
+              f"def main():\n    print('ran', flush=False)\n    {body}\n"
+              "cli.exit_without_interpreter_shutdown(main)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == status and proc.stdout == "ran\n"
+    assert stderr in proc.stderr and "shut down" not in proc.stderr and (stderr or proc.stderr == "")
+
+
 def test_pythia_path_end_to_end(tmp_path, mirror):
     """A tiny random Pythia-shaped HF checkpoint with the real Pythia tokenizer: load, probe, save, reload."""
     hf_dir = tmp_path / "hf"
