@@ -138,7 +138,8 @@ def test_every_process_leaves_the_loop_at_a_barrier(micro_base, tmp_path):
 ])
 def test_a_torchrun_process_exits_with_its_status_and_without_the_interpreter_shutdown(body, status, stderr):
     """cli.exit_without_interpreter_shutdown: main()'s exit status and what the shutdown would print, while the
-    shutdown itself (here an atexit handler that would print) never runs."""
+    shutdown itself (here an atexit handler that would print) never runs. main() prints without flushing, into a
+    pipe that buffers it: only the exit's own flush gets it out."""
     script = ("import atexit, sys\nfrom lab import cli\n"
               "atexit.register(lambda: print('the interpreter shut down', file=sys.stderr))\n"
               f"def main():\n    print('ran', flush=False)\n    {body}\n"
