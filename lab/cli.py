@@ -256,9 +256,11 @@ def exit_without_interpreter_shutdown(main: Callable[[], None]) -> NoReturn:
         main()
         status = 0
     except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        if not isinstance(e.code, int | None):
+        if e.code is None or isinstance(e.code, int):
+            status = e.code or 0
+        else:  # a message, which the shutdown would print before exiting with 1
             print(e.code, file=sys.stderr)
+            status = 1
     except BaseException:
         traceback.print_exc()
         status = 1
