@@ -1,14 +1,20 @@
-"""Shared fixtures: tiny random Pythia-shaped Hugging Face checkpoints and the offline data mirror."""
+"""Shared fixtures: tiny random Pythia-shaped Hugging Face checkpoints, the offline data mirror, and a test's two
+processes, ended as train.py ends those that torchrun starts."""
 
 import json
 import os
 import sys
+from functools import partial
+from typing import Callable
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from lab.cli import exit_without_interpreter_shutdown  # noqa: E402  (the project root is on the path from here)
 
 
 def make_hf_model(rotary_pct: float = 0.25, parallel: bool = True, vocab: int = 512, d: int = 64,
@@ -130,3 +136,14 @@ def wikitext103_archive(tmp_path, mirror, monkeypatch) -> str:
     # the stand-in is pinned by its own digest, so that the check on the real archive's digest runs as it is
     monkeypatch.setattr(data.prepare, "WIKITEXT103_SHA256", hashlib.sha256(archive.getvalue()).hexdigest())
     return raw
+
+
+def spawn_two_ranks(fn: Callable, *args) -> None:
+    """fn(rank, *args) in two processes, each ended as train.py ends a process that torchrun started: without the
+    interpreter's shutdown, where a gloo worker thread that DDP keeps alive can abort it (docs/reliability.md,
+    "Several processes")."""
+    mp.spawn(rank_without_shutdown, args=(fn, *args), nprocs=2)
+
+
+def rank_without_shutdown(rank: int, fn: Callable, *args) -> None:
+    exit_without_interpreter_shutdown(partial(fn, rank, *args))

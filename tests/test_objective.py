@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from conftest import spawn_two_ranks
 from lab.loss import TrainingObjective
 from model import GPT, GPTConfig
 from train import accumulate_gradients
@@ -78,7 +78,7 @@ def test_two_processes_optimise_the_same_objective_as_one(tmp_path):
     x, y = padded_batch()
     ref_loss, ref_grads = step(model, TrainingObjective(model), x, y, grad_accum=1)
     out = tmp_path / "rank0.pt"
-    mp.spawn(ddp_rank, args=(29500 + os.getpid() % 1000, str(out)), nprocs=2)
+    spawn_two_ranks(ddp_rank, 29500 + os.getpid() % 1000, str(out))
     two = torch.load(out)
     assert two["loss"] == pytest.approx(ref_loss, abs=1e-6)
     for name, g in two["grads"].items():

@@ -9,9 +9,8 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import MICRO, ROOT, losses, make_hf_model, run
+from conftest import MICRO, ROOT, losses, make_hf_model, run, spawn_two_ranks
 from data.sources import DataError, fetch
 from lab.checkpoint import CheckpointError, load_model, read_checkpoint
 
@@ -123,8 +122,8 @@ def test_every_process_leaves_the_loop_at_a_barrier(micro_base, tmp_path):
     """The last collective of every process is a barrier, which holds no tensor: a process that exits just after an
     all-reduce can abort while gloo's worker thread still releases that all-reduce's tensor (docs/reliability.md,
     "Several processes")."""
-    mp.spawn(collectives_of_a_rank, args=(30500 + os.getpid() % 1000, micro_base, str(tmp_path / "run"),
-                                          str(tmp_path)), nprocs=2)
+    spawn_two_ranks(collectives_of_a_rank, 30500 + os.getpid() % 1000, micro_base, str(tmp_path / "run"),
+                    str(tmp_path))
     for rank in (0, 1):
         calls = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert calls.count("all_reduce") >= 4 and calls[-1] == "barrier", (rank, calls)
