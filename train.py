@@ -274,7 +274,7 @@ def train_loop(run: Run, log: TextIO | None) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             run.step += 1
-            tokens += int((y != -100).sum()) * run.world
+            tokens += n_tokens
             signum = run_folder.stop_signal(received, run.device)
             if run.master:
                 record = {"step": run.step, "loss": loss, "lr": lr, "tok_per_s": round(tokens / (time.time() - t0))}
