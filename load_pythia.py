@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
+from torch.overrides import TorchFunctionMode
 
 from data.sources import write_atomic, write_error
 from model import GPT, GPTConfig, LoRALinear
@@ -237,12 +238,29 @@ def load_pythia(name_or_dir: str, *, revision: str | None = None, dtype: torch.d
         config = config_from_hf(hf_config, **switches)
     except ValueError as e:
         raise ValueError(f"{cfg_path}: {e}") from e
-    with torch.device("meta"):  # nothing drawn for the base, whose weights the checkpoint gives
-        model = GPT(config)
+    model = skeleton(config)  # nothing drawn for the base, whose weights the checkpoint gives
     state = map_state_dict(read_hf_weights(folder), model.base_state_dict())
     model.load_state_dict(state, strict=False, assign=True)  # strict on the base by map_state_dict
     materialise_new_params(model)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def skeleton(config: GPTConfig) -> GPT:
+    """A GPT on the meta device: every parameter's shape and dtype, no storage and nothing drawn. A random draw on
+    a meta tensor fills nothing, yet its first call imports torch._dynamo, seconds of a process that never trains
+    (docs/performance.md, "The test suite"); so the draws are skipped, not run."""
+    with torch.device("meta"), _NoDraws():
+        return GPT(config)
+
+
+class _NoDraws(TorchFunctionMode):
+    """nn.init.normal_ (every draw in model.py) returns its tensor untouched."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.init.normal_:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
 
 
 def materialise_new_params(model: GPT) -> None:

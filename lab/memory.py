@@ -16,6 +16,7 @@ import torch
 import model as model_module
 from lab.loss import training_loss
 from lab.precision import hold_as_paper, hold_matrices_in
+from load_pythia import skeleton
 from model import GPT, GPTConfig
 
 
@@ -55,8 +56,7 @@ def step_memory(config: GPTConfig, rows: int, seq_len: int, probe: bool, pure_bf
 
 
 def meta_model(config: GPTConfig, probe: bool) -> GPT:
-    with torch.device("meta"):
-        model = GPT(config)
+    model = skeleton(config)
     if probe:
         model.freeze_base()
     return model

@@ -18,14 +18,14 @@ def test_bench_smoke(mirror):
     assert "bfloat16, ours vs transformers" in proc.stdout and "decisions flipped" in proc.stdout
     assert "K/V cache bytes" in proc.stdout and "| 1.000 |  | == 1.0 | pass |" in proc.stdout
     assert "malloc: freed memory kept" in proc.stdout.splitlines()[0]
-    proc = subprocess.run([sys.executable, "-m", "tools.bench", "--smoke", "--sections", "6"], cwd=ROOT,
-                          capture_output=True, text=True, env=dict(os.environ, PREPROJ_MIRROR=mirror))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert {line.split("|")[1].strip() for line in table} == {"6"} and "decisions flipped" in proc.stdout
     assert "bf16, model.attention vs fused kernel" in proc.stdout
     assert "if only its matrix products ran (their ceiling)" in proc.stdout
     assert "if only its matrix products ran on its operands' layouts" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", "--smoke", "--sections", "5"], cwd=ROOT,
+                          capture_output=True, text=True, env=dict(os.environ, PREPROJ_MIRROR=mirror))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert table and {line.split("|")[1].strip() for line in table} == {"5"}
 
 
 def test_compile_matches_eager(micro_base, tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import hub_names, make_hf_model, save_old_style
-from load_pythia import load_pythia, load_tokenizer
+from load_pythia import load_pythia, load_tokenizer, skeleton
 from model import CPU_BF16_EXPLICIT_MAX, GPT, GPTConfig, KVCache, attention
 
 PARITY_TOL = 1e-4  # max |logits difference| against transformers, fp32
@@ -262,6 +262,31 @@ def test_loading_draws_only_the_new_weights(tiny_hf_dir, monkeypatch):
     again = load_pythia(tiny_hf_dir, preproj=True, skip=True)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
     assert not any(p.is_meta for p in model.parameters())
+
+
+def test_the_skeleton_is_the_model_on_the_meta_device_and_imports_no_compiler(tiny_hf_dir):
+    """load_pythia.skeleton is GPT(config) built on the meta device with its draws skipped: the same parameters
+    (names, shapes, dtypes, trainability). A process that loads a Pythia folder and counts a run's memory (the dry
+    run) never imports torch._dynamo, which the first draw on a meta tensor would, seconds before any work."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    def described(model: GPT) -> list:
+        return [(n, p.shape, p.dtype, p.requires_grad, p.is_meta) for n, p in model.named_parameters()]
+
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, preproj=True, skip=True,
+                       adapter_dim=8, lora_rank=4)
+    with torch.device("meta"):
+        plain = GPT(config)
+    assert described(skeleton(config)) == described(plain)
+    code = ("import sys; from load_pythia import load_pythia; from lab.memory import meta_model; "
+            "model = load_pythia(sys.argv[1], preproj=True, skip=True); meta_model(model.config, probe=True); "
+            "print('torch._dynamo' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, tiny_hf_dir], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"
 
 
 def test_non_gpt_neox_config_is_refused(tmp_path):
