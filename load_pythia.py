@@ -254,7 +254,8 @@ def skeleton(config: GPTConfig) -> GPT:
 
 
 class _NoDraws(TorchFunctionMode):
-    """nn.init.normal_ (every draw in model.py) returns its tensor untouched."""
+    """nn.init.normal_ returns its tensor untouched: of the draws model.py makes, the one whose meta-device kernel
+    is Python (the uniform draws and the fills have kernels of their own)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
