@@ -246,9 +246,9 @@ def load_pythia(name_or_dir: str, *, revision: str | None = None, dtype: torch.d
 
 
 def skeleton(config: GPTConfig) -> GPT:
-    """A GPT on the meta device: every parameter's shape and dtype, no storage and nothing drawn. A random draw on
-    a meta tensor fills nothing, yet its first call imports torch._dynamo, seconds of a process that never trains
-    (docs/performance.md, "The test suite"); so the draws are skipped, not run."""
+    """A GPT on the meta device: every parameter's shape and dtype, no storage, so no draw fills anything. Its
+    normal draws are skipped, not run: the first on a meta tensor imports torch._dynamo, seconds of a process that
+    never trains (docs/performance.md, "The test suite")."""
     with torch.device("meta"), _NoDraws():
         return GPT(config)
 
