@@ -1,12 +1,16 @@
 """The model against Hugging Face transformers and peft, parameter counts, the K/V cache, and bad inputs."""
 
+import ast
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import hub_names, make_hf_model, save_old_style
+from conftest import ROOT, hub_names, make_hf_model, save_old_style
 from load_pythia import load_pythia, load_tokenizer, skeleton
 from model import CPU_BF16_EXPLICIT_MAX, GPT, GPTConfig, KVCache, attention
 
@@ -268,11 +272,6 @@ def test_the_skeleton_is_the_model_on_the_meta_device_and_imports_no_compiler(ti
     """load_pythia.skeleton is GPT(config) built on the meta device with its draws skipped: the same parameters
     (names, shapes, dtypes, trainability). A process that loads a Pythia folder and counts a run's memory (the dry
     run) never imports torch._dynamo, which the first draw on a meta tensor would, seconds before any work."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
     def described(model: GPT) -> list:
         return [(n, p.shape, p.dtype, p.requires_grad, p.is_meta) for n, p in model.named_parameters()]
 
@@ -329,9 +328,6 @@ def test_prompt_longer_than_block_size():
 
 def test_loader_imports_only_model_and_data():
     """load_pythia.py sits below the library (lab/) and above the model: it imports no lab module and no tool."""
-    import ast
-
-    from conftest import ROOT
     tree = ast.parse(open(os.path.join(ROOT, "load_pythia.py")).read())
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
@@ -342,11 +338,6 @@ def test_loader_imports_only_model_and_data():
 def test_sample_generates_from_a_hugging_face_folder(tmp_path, mirror):
     """sample.py on a folder written by transformers' save_pretrained: greedy text equals transformers' own greedy
     continuation; without a tokenizer.json beside the weights it takes Pythia's from the mirror."""
-    import shutil
-    import subprocess
-    import sys
-
-    from conftest import ROOT
     tok_file = os.path.join(mirror, "tokenizers", "20B_tokenizer.json")
     hf = make_hf_model(vocab=50304, d=64, max_pos=64)
     hf.save_pretrained(tmp_path / "bare")
